@@ -1,0 +1,116 @@
+"""Checkpoints: written atomically, loaded without arbitrary pickle, checked against the model.
+
+A checkpoint is one file `checkpoints/ckpt_{step:08d}.pt` holding the model and EMA weights, the
+optimizer (and grad scaler) state, the step, every rank's RNG states and the run's resolved config.
+The data position is the step itself (see `data.ResumableBatchSampler`). `checkpoints/latest`
+names the newest file.
+"""
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from errors import UserError
+
+CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
+PREFIXES = ("_orig_mod.", "module.")
+
+
+def checkpoint_path(ckpt_dir, step: int) -> Path:
+    return Path(ckpt_dir) / f"ckpt_{step:08d}.pt"
+
+
+def list_checkpoints(ckpt_dir) -> list:
+    """[(step, path)] of complete checkpoints, oldest first (temporary files are ignored)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), ckpt_dir / name) for name in os.listdir(ckpt_dir) if (m := CKPT_RE.match(name))]
+    return sorted(found)
+
+
+def save_checkpoint(state: dict, ckpt_dir, step: int) -> Path:
+    """Write to a temporary file in the same folder, fsync, then rename: never a half-written checkpoint."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = checkpoint_path(ckpt_dir, step)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    latest_tmp = ckpt_dir / f".latest.tmp{os.getpid()}"
+    latest_tmp.write_text(path.name + "\n")
+    os.replace(latest_tmp, ckpt_dir / "latest")
+    return path
+
+
+def load_checkpoint(path) -> dict:
+    """Load with weights_only=True; a truncated or foreign file is refused with one clear line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, not a torch file, disallowed pickle content...
+        raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                        f"it is truncated or not a checkpoint of this project - move it away to resume from "
+                        f"an earlier one, or start over with resume=false") from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise UserError(f"checkpoint {path} is not a training checkpoint of this project (no model/step entries)")
+    return state
+
+
+def strip_prefixes(state_dict: dict) -> dict:
+    """Tolerate the `_orig_mod.` (torch.compile) and `module.` (DDP) key prefixes."""
+    out = {}
+    for key, value in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in PREFIXES:
+                if key.startswith(prefix):
+                    key, changed = key[len(prefix):], True
+        out[key] = value
+    return out
+
+
+def load_model_state(model: torch.nn.Module, state_dict: dict, source) -> None:
+    """Load weights strictly; a checkpoint of another model is refused, naming the first mismatch."""
+    state_dict = strip_prefixes(state_dict)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise UserError(f"checkpoint {source} belongs to another model: missing {missing[:3]}, unexpected "
+                        f"{unexpected[:3]}; check model.backbone_type / model.params or use another run_name")
+    for key, value in state_dict.items():
+        if own[key].shape != value.shape:
+            raise UserError(f"checkpoint {source} belongs to another model: {key} has shape {tuple(value.shape)}, "
+                            f"this model expects {tuple(own[key].shape)}; check model.backbone_type / model.params")
+    model.load_state_dict(state_dict)
+
+
+def capture_rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "python": random.getstate(),
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))

@@ -1,0 +1,207 @@
+"""DiT backbones (Peebles & Xie, 2023) with TREAD routing.
+
+One file: embedders, the adaLN-Zero block, the final layer, the model, the `DiT_models` registry and
+`get_model(backbone_type, params)`. The backbone predicts F in EDM's D = c_skip x + c_out F, so its
+output has the input's channels (no learned sigma). All zero-initialisation is in `initialize_weights`.
+"""
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import Mlp, PatchEmbed
+from torch.utils.checkpoint import checkpoint
+
+from errors import UserError
+from routing_module import TokenRouter, resolve_routes
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class TimestepEmbedder(nn.Module):
+    """Scalar noise level (EDM's c_noise) -> vector, through sinusoidal features and an MLP."""
+
+    def __init__(self, hidden_size, frequency_embedding_size=256):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(frequency_embedding_size, hidden_size), nn.SiLU(),
+                                 nn.Linear(hidden_size, hidden_size))
+        self.frequency_embedding_size = frequency_embedding_size
+
+    @staticmethod
+    def timestep_embedding(t, dim, max_period=10000):
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t.float()[:, None] * freqs[None]
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+    def forward(self, t):
+        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size).to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class label -> vector. Row `num_classes` is the null class used for class dropout and CFG."""
+
+    def __init__(self, num_classes, hidden_size):
+        super().__init__()
+        self.num_classes = num_classes
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
+
+    def forward(self, labels):
+        return self.embedding_table(labels)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention through F.scaled_dot_product_attention (flash / memory-efficient)."""
+
+    def __init__(self, dim, num_heads, qk_norm=False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.q_norm = nn.LayerNorm(dim // num_heads, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(dim // num_heads, eps=1e-6) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        x = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero conditioning (6 modulation vectors from c)."""
+
+    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0, qk_norm=False):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, hidden_size, patch_size, out_channels):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+def sincos_pos_embed_2d(embed_dim, grid_size):
+    """Fixed 2-D sine-cosine position embedding [grid_size**2, embed_dim] (half the dims per axis)."""
+
+    def axis_embed(dim, pos):
+        omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+        out = np.einsum("m,d->md", pos.reshape(-1), omega)
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+    grid_w, grid_h = np.meshgrid(np.arange(grid_size, dtype=np.float64), np.arange(grid_size, dtype=np.float64))
+    emb = np.concatenate([axis_embed(embed_dim // 2, grid_h), axis_embed(embed_dim // 2, grid_w)], axis=1)
+    return torch.from_numpy(emb).float()
+
+
+class DiT(nn.Module):
+    def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
+                 mlp_ratio=4.0, num_classes=1000, enable_routing=False, routes=None, qk_norm=False,
+                 fp32_after_route=True, grad_checkpointing=False):
+        super().__init__()
+        self.in_channels = self.out_channels = in_channels
+        self.patch_size = patch_size
+        self.num_heads = num_heads
+        self.num_classes = num_classes
+        self.grad_checkpointing = grad_checkpointing
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size)
+        grid = self.x_embedder.grid_size[0]
+        self.register_buffer("pos_embed", sincos_pos_embed_2d(hidden_size, grid).unsqueeze(0), persistent=False)
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
+        self.router = TokenRouter(resolve_routes(routes, depth), enable_routing, fp32_after_route)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self):
+        def basic_init(module):
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+        self.apply(basic_init)
+        w = self.x_embedder.proj.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        # adaLN-Zero: every residual branch and the output start at zero.
+        for block in self.blocks:
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def unpatchify(self, x):
+        """[B, N, p*p*C] -> [B, C, H, W]."""
+        c, p = self.out_channels, self.patch_size
+        h = w = int(x.shape[1] ** 0.5)
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, h * p, w * p)
+
+    def _run_block(self, block, x, c):
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, x, c, use_reentrant=False)
+        return block(x, c)
+
+    def forward(self, x, t, y=None, force_routing_ratio=None, routing_seed=None):
+        """x [B, C, H, W], t [B] noise level, y [B] labels (None or `num_classes` = unconditional)."""
+        if y is None:
+            y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
+        x = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y)
+        x = self.router(self.blocks, x, c, force_routing_ratio, routing_seed, self._run_block)
+        return self.unpatchify(self.final_layer(x, c))
+
+
+def _registry():
+    sizes = {"T": (12, 128, 4), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+    return {f"DiT-{name}/{p}": dict(depth=d, hidden_size=h, num_heads=n, patch_size=p)
+            for name, (d, h, n) in sizes.items() for p in (2, 4, 8)}
+
+
+# "DiT-T/*" is the tiny model for the embedded digits dataset (12 blocks, 128 wide, 4 heads).
+DiT_models = _registry()
+
+MODEL_PARAM_KEYS = {"num_classes", "in_channels", "input_size", "enable_routing", "routes", "depth", "hidden_size",
+                    "num_heads", "mlp_ratio", "patch_size", "qk_norm", "fp32_after_route", "grad_checkpointing"}
+
+
+def get_model(backbone_type: str, params) -> DiT:
+    """Build a backbone from the registry; `params` holds the config keys (and may override sizes)."""
+    if backbone_type not in DiT_models:
+        raise UserError(f"unknown backbone {backbone_type!r}; choose one of {', '.join(DiT_models)} "
+                        f"(model.backbone_type)")
+    params = dict(params)
+    unknown = sorted(set(params) - MODEL_PARAM_KEYS)
+    if unknown:
+        raise UserError(f"unknown model.params key(s) {unknown}; accepted: {sorted(MODEL_PARAM_KEYS)}")
+    kwargs = {**DiT_models[backbone_type], **params}
+    kwargs["routes"] = [dict(r) for r in (kwargs.get("routes") or [])]
+    if kwargs["input_size"] % kwargs["patch_size"]:
+        raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
+    return DiT(**kwargs)

@@ -1,0 +1,154 @@
+"""TREAD token routing (Krause et al., ICCV 2025).
+
+A route `start -> end` takes a random subset of tokens out of the sequence before block `start` and
+puts them back, unchanged, after block `end` (inclusive). Only the kept tokens pass through the
+blocks in between; the skipped ones travel one way along an identity path, so the full sequence is
+restored and gradients reach every token. `selection_ratio` is the fraction of tokens that SKIP
+(official count: `num_skip = int(N * ratio)`).
+
+Routing is active only while the model is in training mode. To force it at inference (e.g. for
+routing guidance), pass `force_routing_ratio=r` to the model's forward: every configured route then
+runs with ratio r. `routing_seed=s` makes the token choice reproducible (same seed, same tokens).
+"""
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from errors import UserError
+
+
+@dataclass(frozen=True)
+class Route:
+    start_layer_idx: int
+    end_layer_idx: int
+    selection_ratio: float
+
+
+class RouteError(UserError):
+    """An invalid route configuration."""
+
+
+def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
+    """Validate routes from the config and return them as `Route`s with non-negative indices.
+
+    Negative indices count from the last block (-1 = block depth-1). Routes must lie inside the
+    model, start <= end, ratio in [0, 1), and be ordered without overlap.
+    """
+    resolved = []
+    for i, r in enumerate(routes or []):
+        try:
+            start, end, ratio = int(r["start_layer_idx"]), int(r["end_layer_idx"]), float(r["selection_ratio"])
+        except (KeyError, TypeError, ValueError):
+            raise RouteError(f"route {i} ({dict(r) if hasattr(r, 'keys') else r}) needs integer start_layer_idx, "
+                             f"end_layer_idx and a float selection_ratio")
+        name = f"route {i} ({start} -> {end}, ratio {ratio})"
+        for which, idx in (("start_layer_idx", start), ("end_layer_idx", end)):
+            if not -depth <= idx < depth:
+                raise RouteError(f"{name}: {which}={idx} is outside a model of depth {depth} "
+                                 f"(valid: 0..{depth - 1}, or -{depth}..-1 counting from the last block)")
+        start, end = start % depth, end % depth
+        if start > end:
+            raise RouteError(f"{name}: start block {start} comes after end block {end} (depth {depth}); "
+                             f"a route runs forward from start_layer_idx to end_layer_idx")
+        if not 0.0 <= ratio < 1.0:
+            raise RouteError(f"{name}: selection_ratio must be in [0, 1) (the fraction of tokens that skip), "
+                             f"got {ratio}")
+        if resolved and start <= resolved[-1].end_layer_idx:
+            prev = resolved[-1]
+            raise RouteError(f"{name}: overlaps or comes before route {i - 1} ({prev.start_layer_idx} -> "
+                             f"{prev.end_layer_idx}) in a model of depth {depth}; list routes in order, "
+                             f"each starting after the previous one ends")
+        resolved.append(Route(start, end, ratio))
+    return resolved
+
+
+def num_kept(num_tokens: int, ratio: float) -> int:
+    return num_tokens - int(num_tokens * ratio)
+
+
+def select_kept_tokens(x: torch.Tensor, ratio: float, generator: Optional[torch.Generator] = None):
+    """Per-sample uniformly random choice of the tokens that go through the route.
+
+    Returns sorted indices [B, K] of the kept tokens (sorted, so kept tokens keep their order).
+    """
+    B, N = x.shape[:2]
+    noise = torch.rand(B, N, device=x.device, generator=generator)
+    keep = noise.argsort(dim=1)[:, :num_kept(N, ratio)]
+    return keep.sort(dim=1).values
+
+
+def _expand(idx: torch.Tensor, dim: int) -> torch.Tensor:
+    return idx.unsqueeze(-1).expand(-1, -1, dim)
+
+
+def start_route(x: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
+    """The kept tokens [B, K, D] that go through the route's blocks."""
+    return torch.gather(x, 1, _expand(keep_idx, x.shape[-1]))
+
+
+def end_route(x_kept: torch.Tensor, x_full: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
+    """The full sequence: processed kept tokens at their positions, skipped tokens as they left."""
+    return x_full.to(x_kept.dtype).scatter(1, _expand(keep_idx, x_full.shape[-1]), x_kept)
+
+
+def _autocast_on(device_type: str) -> bool:
+    return device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type)
+
+
+class TokenRouter(nn.Module):
+    """Runs a stack of blocks `block(x, c) -> x` over tokens [B, N, D] with TREAD routes.
+
+    Architecture-agnostic: any block that maps a token sequence to one of the same length works,
+    whatever N is; the router holds no parameters and does not own the blocks, so a backbone's
+    state dict is the same with and without routing. It follows the model's train()/eval() mode.
+    `fp32_after_route` runs the block right after a route ends outside autocast, as the official
+    code does, since it sees tokens from two depths at once.
+    """
+
+    def __init__(self, routes: Sequence[Route], enable_routing: bool = True, fp32_after_route: bool = True):
+        super().__init__()
+        self.routes = list(routes)
+        self.enable_routing = enable_routing
+        self.fp32_after_route = fp32_after_route
+
+    def extra_repr(self):
+        return f"routes={self.routes}, enable_routing={self.enable_routing}"
+
+    def active_ratios(self, force_ratio: Optional[float]) -> list:
+        """The ratio each route runs with in this call (0 = route off)."""
+        if force_ratio is not None:
+            if not self.routes:
+                raise RouteError("force_routing_ratio needs at least one configured route (model.params.routes)")
+            if not 0.0 <= force_ratio < 1.0:
+                raise RouteError(f"force_routing_ratio must be in [0, 1), got {force_ratio}")
+            return [float(force_ratio)] * len(self.routes)
+        on = self.training and self.enable_routing
+        return [r.selection_ratio if on else 0.0 for r in self.routes]
+
+    def forward(self, blocks: Sequence[nn.Module], x, c, force_ratio: Optional[float] = None,
+                seed: Optional[int] = None, run_block=None):
+        """`run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing)."""
+        run_block = run_block or (lambda block, x, c: block(x, c))
+        ratios = self.active_ratios(force_ratio)
+        starts = {r.start_layer_idx: (r, ratio) for r, ratio in zip(self.routes, ratios) if ratio > 0}
+        generator = None
+        if seed is not None and starts:
+            generator = torch.Generator(device=x.device).manual_seed(int(seed))
+        route, x_full, keep_idx, after_route = None, None, None, False
+        for i, block in enumerate(blocks):
+            if i in starts:
+                route, ratio = starts[i]
+                x_full, keep_idx = x, select_kept_tokens(x, ratio, generator)
+                x = start_route(x, keep_idx)
+            if after_route and self.fp32_after_route and _autocast_on(x.device.type):
+                with torch.autocast(device_type=x.device.type, enabled=False):
+                    x = run_block(block, x.float(), c.float())
+            else:
+                x = run_block(block, x, c)
+            after_route = False
+            if route is not None and i == route.end_layer_idx:
+                x = end_route(x, x_full, keep_idx)
+                route, x_full, keep_idx, after_route = None, None, None, True
+        return x

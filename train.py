@@ -1,0 +1,247 @@
+"""Train a class-conditional DiT with or without TREAD routing, with EDM.
+
+    accelerate launch train.py model=tread            # embedded digits, minutes on a CPU
+    accelerate launch train.py model=dit dataset=imagenet256 dataset.train_path=/data/latents
+
+Restarting with the same run_name resumes from the newest checkpoint (model, EMA, optimizer, step,
+RNG states; the data position is the step). SIGTERM/SIGINT save a checkpoint before exiting.
+"""
+import copy
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from tqdm import tqdm
+
+import checkpoint as ckpt
+from data import ResumableBatchSampler, build_dataset
+from dit import get_model
+from edm import EDMLoss, EDMPrecond
+from errors import UserError, exit_with
+from metrics_log import MetricsLogger
+
+
+@torch.no_grad()
+def update_ema(ema_params, model_params, decay: float):
+    torch._foreach_lerp_(ema_params, model_params, 1.0 - decay)
+
+
+def check_config(cfg, world_size: int):
+    g = cfg.train.general
+    if g.batch_size % world_size:
+        raise UserError(f"train.general.batch_size={g.batch_size} is not divisible by the {world_size} processes")
+    if not 0.0 <= g.class_drop_prob < 1.0:
+        raise UserError(f"train.general.class_drop_prob must be in [0, 1), got {g.class_drop_prob}")
+    for key in ("max_steps", "ckpt_every"):
+        if cfg.train[key] <= 0:
+            raise UserError(f"train.{key} must be a positive number of steps, got {cfg.train[key]}")
+    if cfg.train.logging.log_interval <= 0:
+        raise UserError(f"train.logging.log_interval must be positive, got {cfg.train.logging.log_interval}")
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool):
+    """With resume=false, an earlier run under the same name is moved aside, never deleted."""
+    if resume or not ckpt.list_checkpoints(run_dir / "checkpoints") or not is_main:
+        return
+    backup = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(backup)
+    print(f"resume=false: moved the earlier run to {backup}")
+
+
+def drop_redone_records(metrics_file: Path, step: int):
+    """Records past the resumed step describe steps that run again; keep the file consistent."""
+    if not metrics_file.exists():
+        return
+    import json
+
+    lines = metrics_file.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        metrics_file.write_text("".join(line + "\n" for line in kept))
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGINT so the loop can checkpoint at a step boundary and exit."""
+
+    def __init__(self):
+        self.signum = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+
+def training_loop(cfg: DictConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+
+    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision)
+    rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
+                                    accelerator.is_main_process, accelerator.device)
+    check_config(cfg, world)
+    run_dir = Path(cfg.results_dir) / cfg.run_name
+    ckpt_dir = run_dir / "checkpoints"
+
+    prepare_run_dir(run_dir, cfg.resume, is_main)
+    accelerator.wait_for_everyone()
+    found = ckpt.list_checkpoints(ckpt_dir) if cfg.resume else []
+    state = ckpt.load_checkpoint(found[-1][1]) if found else None
+
+    torch.manual_seed(cfg.global_seed)  # identical initial weights on every rank
+    model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    ema = copy.deepcopy(model).requires_grad_(False).eval()
+    d = cfg.diffuser
+    net = EDMPrecond(model, sigma_data=d.sigma_data)
+    loss_fn = EDMLoss(P_mean=d.P_mean, P_std=d.P_std, sigma_data=d.sigma_data)
+    o = cfg.train.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=device.type == "cuda")
+    step = 0
+    if state is not None:
+        source = found[-1][1]
+        ckpt.load_model_state(model, state["model"], source)
+        ckpt.load_model_state(ema, state["ema"], source)
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
+        step = int(state["step"])
+    ema.to(device)
+
+    dataset = build_dataset(cfg.dataset, seed=cfg.global_seed)
+    per_rank_batch = cfg.train.general.batch_size // world
+    sampler = ResumableBatchSampler(len(dataset), per_rank_batch, rank, world, cfg.global_seed, start_step=step)
+    workers = cfg.train.general.num_workers
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                         pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                                         generator=torch.Generator())  # keeps the global RNG untouched
+    if cfg.train.compile:
+        net.model = torch.compile(model)
+    net, optimizer = accelerator.prepare(net, optimizer)
+    if state is not None and state.get("scaler") and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+
+    rng = state["rng"] if state is not None else None
+    if rng is not None and len(rng) == world:
+        ckpt.restore_rng_state(rng[rank])
+    else:
+        torch.manual_seed(cfg.global_seed * 1_000_003 + rank + step)
+        if rng is not None and is_main:
+            print(f"note: checkpoint was written by {len(rng)} processes, now {world}: RNG streams are re-seeded")
+
+    logger = None
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        drop_redone_records(run_dir / "metrics.jsonl", step)
+        logger = MetricsLogger(run_dir, cfg.train.logging.tensorboard, cfg.train.logging.wandb,
+                               OmegaConf.to_container(cfg, resolve=True), cfg.run_name)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"{cfg.model.backbone_type} ({cfg.model.name}): {n_params / 1e6:.2f}M parameters, routes "
+              f"{model.router.routes if model.router.enable_routing else 'off'}, {world} process(es) on "
+              f"{device}, global batch {cfg.train.general.batch_size}, run dir {run_dir}")
+        print(f"resuming from {found[-1][1]} at step {step}" if state is not None else "starting at step 0")
+
+    def save(at_step):
+        rng_states = gather_object([ckpt.capture_rng_state()])
+        if is_main:
+            payload = {"step": at_step, "model": model.state_dict(), "ema": ema.state_dict(),
+                       "optimizer": optimizer.state_dict(), "rng": rng_states, "world_size": world,
+                       "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+                       "config": OmegaConf.to_container(cfg, resolve=True)}
+            path = ckpt.save_checkpoint(payload, ckpt_dir, at_step)
+            tqdm.write(f"saved {path}")
+        accelerator.wait_for_everyone()
+
+    def first_bad_step():
+        return int(accelerator.reduce(bad_step, "max").item())
+
+    stop = StopSignal()
+    model_params = list(model.parameters())
+    ema_params = list(ema.parameters())
+    num_classes = cfg.model.params.num_classes
+    drop_prob, decay, grad_clip = cfg.train.general.class_drop_prob, cfg.train.ema.decay, o.grad_clip
+    log_interval, ckpt_every, max_steps = cfg.train.logging.log_interval, cfg.train.ckpt_every, cfg.train.max_steps
+    loss_sum = torch.zeros((), device=device)
+    bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
+    steps_since_log, t_log = 0, time.time()
+    bar = tqdm(total=max_steps, initial=step, disable=not is_main, dynamic_ncols=True, desc="train")
+    data_iter = iter(loader)
+    if step >= max_steps and is_main:
+        print(f"run {cfg.run_name} is already complete at step {step}; raise train.max_steps, or start over "
+              f"with resume=false or a new run_name")
+    while step < max_steps:
+        x, y = next(data_iter)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        drop = torch.rand(y.shape, device=device) < drop_prob
+        y = torch.where(drop, torch.full_like(y, num_classes), y)
+        loss = loss_fn(net, x, y).mean()
+        accelerator.backward(loss)
+        if grad_clip:
+            accelerator.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        update_ema(ema_params, model_params, decay)
+        step += 1
+        loss = loss.detach()
+        loss_sum += loss
+        bad_step = torch.where((bad_step < 0) & ~torch.isfinite(loss), step, bad_step)
+        steps_since_log += 1
+        bar.update(1)
+
+        stop_now = stop.signum is not None if world == 1 else False
+        if step % log_interval == 0 or step == max_steps:
+            mean_loss = (accelerator.reduce(loss_sum, "mean") / steps_since_log).item()
+            if world > 1:
+                stop_now = bool(accelerator.reduce(torch.tensor(float(stop.signum is not None), device=device),
+                                                   "max").item())
+            if not math.isfinite(mean_loss):
+                break
+            elapsed = time.time() - t_log
+            if is_main:
+                steps_per_sec = steps_since_log / elapsed
+                logger.log(step, {"loss": mean_loss, "steps_per_sec": steps_per_sec,
+                                  "images_per_sec": steps_per_sec * cfg.train.general.batch_size,
+                                  "epoch": step / sampler.steps_per_epoch, "lr": o.lr})
+                bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{steps_per_sec:.2f}")
+            loss_sum.zero_()
+            steps_since_log, t_log = 0, time.time()
+        if step % ckpt_every == 0 or step == max_steps or stop_now:
+            if first_bad_step() >= 0:
+                break
+            save(step)
+        if stop_now:
+            bar.close()
+            print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run the same command to resume")
+            sys.exit(128 + int(stop.signum or 15))
+    bar.close()
+    if logger is not None:
+        logger.close()
+    bad = first_bad_step()
+    if bad >= 0:
+        last = ckpt.list_checkpoints(ckpt_dir)
+        kept = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was written"
+        raise UserError(f"the loss became NaN/inf at step {bad}; training stopped and {kept} (untouched); "
+                        f"try a lower train.optimizer.lr, train.optimizer.grad_clip=1.0 or bf16 instead of fp16")
+    accelerator.end_training()
+
+
+@hydra.main(config_path="configs", config_name="config", version_base="1.3")
+def main(cfg: DictConfig):
+    try:
+        training_loop(cfg)
+    except UserError as e:
+        exit_with(str(e))
+    except OmegaConfBaseException as e:
+        exit_with(f"configuration: {str(e).splitlines()[0]} (set it on the command line, e.g. key=value)")
+
+
+if __name__ == "__main__":
+    main()
