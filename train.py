@@ -82,11 +82,12 @@ def training_loop(cfg: DictConfig):
     from accelerate import Accelerator
     from accelerate.utils import gather_object
 
-    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision)
+    # Without a GPU, processes started by torchrun (`accelerate launch --multi_gpu`) train on the CPU with gloo.
+    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=not torch.cuda.is_available())
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
     check_config(cfg, world)
-    run_dir = Path(cfg.results_dir) / cfg.run_name
+    run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
     ckpt_dir = run_dir / "checkpoints"
 
     prepare_run_dir(run_dir, cfg.resume, is_main)
@@ -209,7 +210,7 @@ def training_loop(cfg: DictConfig):
                 steps_per_sec = steps_since_log / elapsed
                 logger.log(step, {"loss": mean_loss, "steps_per_sec": steps_per_sec,
                                   "images_per_sec": steps_per_sec * cfg.train.general.batch_size,
-                                  "epoch": step / sampler.steps_per_epoch, "lr": o.lr})
+                                  "epoch": step / sampler.steps_per_epoch, "lr": o.lr, "world_size": world})
                 bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{steps_per_sec:.2f}")
             loss_sum.zero_()
             steps_since_log, t_log = 0, time.time()

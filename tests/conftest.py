@@ -1,0 +1,51 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# A small model so subprocess training runs take seconds: 4 blocks, 32 wide, route 1 -> 2.
+TINY_MODEL = ["+model.params.depth=4", "+model.params.hidden_size=32", "+model.params.num_heads=2"]
+TINY_ROUTE = ["model.params.routes.0.start_layer_idx=1", "model.params.routes.0.end_layer_idx=2"]
+TINY_TRAIN = ["train.general.batch_size=16", "train.eval.eval_interval=0", "train.logging.tensorboard=false"]
+
+
+def tiny_overrides(model="tread"):
+    return [f"model={model}", *TINY_MODEL, *(TINY_ROUTE if model == "tread" else []), *TINY_TRAIN]
+
+
+def subprocess_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_script(script, *args, timeout=300, check=False):
+    proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def assert_one_line_error(proc, *needles):
+    """Bad input: non-zero exit, no traceback, one `error:` line on stderr that names the problem."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle.lower() in errors[0].lower(), errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def repo():
+    return REPO

@@ -1,0 +1,163 @@
+"""The TREAD router: token counts, identity path, ratio 0, eval mode, gradients, validation, FLOPs."""
+import pytest
+import torch
+
+from dit import get_model
+from errors import UserError
+from flops import routing_flop_report
+from routing_module import RouteError, TokenRouter, num_kept, resolve_routes
+
+
+def small_model(routes, depth=6, enable_routing=True, **extra):
+    torch.manual_seed(0)
+    model = get_model("DiT-T/2", dict(num_classes=10, in_channels=1, input_size=16, enable_routing=enable_routing,
+                                      routes=routes, depth=depth, hidden_size=32, num_heads=2, **extra))
+    for p in model.parameters():  # leave adaLN-Zero: make every path carry signal
+        torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def route(start, end, ratio=0.5):
+    return dict(start_layer_idx=start, end_layer_idx=end, selection_ratio=ratio)
+
+
+def inputs(batch=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, 1, 16, 16, generator=g), torch.rand(batch, generator=g),
+            torch.randint(0, 11, (batch,), generator=g))
+
+
+def record_block_io(model):
+    seen = []
+    hooks = [b.register_forward_hook(lambda m, args, out, i=i: seen.append((i, args[0].detach().clone(),
+                                                                             out.detach().clone())))
+             for i, b in enumerate(model.blocks)]
+    return seen, hooks
+
+
+def test_token_count_inside_route_and_skipped_tokens_unchanged():
+    model = small_model([route(1, 3, 0.5)]).train()
+    seen, _ = record_block_io(model)
+    x, t, y = inputs()
+    model(x, t, y)
+    n = 64
+    counts = {i: inp.shape[1] for i, inp, _ in seen}
+    assert counts == {0: n, 1: num_kept(n, 0.5), 2: 32, 3: 32, 4: n, 5: n}
+    before_route = seen[0][2]  # output of block 0 = what enters the route
+    after_route = seen[4][1]   # input of block 4 = the restored sequence
+    kept_out = seen[3][2]
+    changed = (after_route != before_route).any(-1)  # [B, N]: True where a token went through the blocks
+    assert (changed.sum(1) == 32).all(), "exactly the kept tokens are processed"
+    skipped = ~changed
+    assert torch.equal(after_route[skipped], before_route[skipped]), "skipped tokens come back bit-identical"
+    assert torch.equal(after_route[changed].reshape(3, 32, -1), kept_out), "kept tokens return in order"
+
+
+def test_per_sample_selection_differs():
+    model = small_model([route(1, 3, 0.5)]).train()
+    seen, _ = record_block_io(model)
+    x, t, y = inputs(batch=4)
+    model(x, t, y)
+    restored = seen[4][1]
+    changed = (restored != seen[0][2]).any(-1)
+    assert len({tuple(row.tolist()) for row in changed}) > 1
+
+
+def test_ratio_zero_and_eval_mode_give_unrouted_output():
+    x, t, y = inputs()
+    dense = small_model([route(1, 3, 0.5)], enable_routing=False).train()(x, t, y)
+    zero = small_model([route(1, 3, 0.0)]).train()(x, t, y)
+    assert torch.equal(dense, zero)
+    model = small_model([route(1, 3, 0.5)]).eval()
+    seen, _ = record_block_io(model)
+    assert torch.equal(model(x, t, y), dense)
+    assert all(inp.shape[1] == 64 for _, inp, _ in seen), "eval mode never routes"
+
+
+def test_force_routing_ratio_and_seed_at_inference():
+    model = small_model([route(1, 3, 0.5)]).eval()
+    seen, _ = record_block_io(model)
+    x, t, y = inputs()
+    a = model(x, t, y, force_routing_ratio=0.75, routing_seed=3)
+    assert seen[2][1].shape[1] == num_kept(64, 0.75)
+    b = model(x, t, y, force_routing_ratio=0.75, routing_seed=3)
+    c = model(x, t, y, force_routing_ratio=0.75, routing_seed=4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    with pytest.raises(RouteError):
+        small_model([]).eval()(x, t, y, force_routing_ratio=0.5)
+
+
+def test_gradients_reach_every_parameter_and_token():
+    model = small_model([route(1, 3, 0.5), route(4, -1, 0.25)]).train()
+    x, t, y = inputs(batch=4)
+    y[0] = 10  # the null class row also learns
+    x.requires_grad_(True)
+    model(x, t, y).square().sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert (x.grad.abs() > 0).all(), "every input pixel (so every token) receives gradient"
+
+
+def test_two_routes_token_counts():
+    model = small_model([route(0, 1, 0.25), route(3, -1, 0.75)]).train()
+    seen, _ = record_block_io(model)
+    model(*inputs())
+    assert [inp.shape[1] for _, inp, _ in seen] == [48, 48, 64, 16, 16, 16]
+
+
+def test_fp32_block_after_route_under_autocast():
+    """The block right after a route ends computes in float32; the others follow autocast."""
+    model = small_model([route(1, 2, 0.5)]).train()
+    dtypes = {}
+    for i, block in enumerate(model.blocks):
+        block.attn.qkv.register_forward_hook(lambda m, a, out, i=i: dtypes.__setitem__(i, out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(*inputs())
+    assert dtypes[3] == torch.float32
+    assert {dtypes[i] for i in (0, 1, 2, 4, 5)} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("routes, needle", [
+    ([route(2, 12)], "outside a model of depth 12"),
+    ([route(-13, 5)], "outside a model of depth 12"),
+    ([route(8, 2)], "comes after"),
+    ([route(2, 8, 1.0)], "[0, 1)"),
+    ([route(2, 8, -0.1)], "[0, 1)"),
+    ([route(2, 6), route(5, 9)], "overlaps"),
+    ([route(6, 9), route(1, 3)], "overlaps or comes before"),
+    ([{"start_layer_idx": 2}], "needs integer"),
+])
+def test_invalid_routes_name_route_and_depth(routes, needle):
+    with pytest.raises(RouteError) as info:
+        resolve_routes(routes, 12)
+    assert needle in str(info.value) and "route" in str(info.value)
+
+
+def test_negative_indices_count_from_the_last_block():
+    assert resolve_routes([route(2, -4)], 12)[0].end_layer_idx == 8
+    assert resolve_routes([route(2, -4)], 28)[0].end_layer_idx == 24
+    assert resolve_routes([route(-1, -1)], 12)[0].start_layer_idx == 11
+
+
+def test_router_is_architecture_agnostic():
+    """Any block(x, c) stack works; here plain MLP blocks with no DiT parts."""
+    blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(5)])
+    router = TokenRouter(resolve_routes([route(1, 3, 0.5)], 5)).train()
+    sizes = []
+    x = torch.randn(2, 10, 8)
+    out = router(blocks, x, None, run_block=lambda b, h, c: sizes.append(h.shape[1]) or b(h))
+    assert out.shape == x.shape and sizes == [10, 5, 5, 5, 10]
+
+
+def test_unknown_backbone_and_param():
+    with pytest.raises(UserError, match="unknown backbone"):
+        get_model("DiT-Q/2", dict(num_classes=10, in_channels=1, input_size=16))
+    with pytest.raises(UserError, match="unknown model.params"):
+        get_model("DiT-T/2", dict(num_classes=10, in_channels=1, input_size=16, learn_sigmaa=True))
+
+
+def test_dit_b2_training_flops_fall_about_1_4x():
+    params = dict(num_classes=1000, in_channels=4, input_size=32, enable_routing=True, routes=[route(2, 8, 0.5)])
+    report = routing_flop_report("DiT-B/2", params, batch_size=1)
+    assert report["flops_per_step_dense"] == pytest.approx(3 * 2 * 23.01e9, rel=0.01)  # paper's 23.01 GMACs
+    assert 1.35 < report["flop_speedup_bound"] < 1.5

@@ -1,0 +1,179 @@
+"""train.py end to end: configs, loss falls, exact resume after kill -9, signals, 2 processes, bad input."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from checkpoint import list_checkpoints, load_checkpoint
+from conftest import REPO, assert_one_line_error, run_script, subprocess_env, tiny_overrides
+from dit import get_model
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("model_name, routed", [("dit", False), ("tread", True)])
+def test_models_build_from_hydra_configs(model_name, routed):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={model_name}"])
+    model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    assert model.router.enable_routing is routed
+    assert len(model.blocks) == 12 and model.num_classes == 10
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        paper = compose("config", overrides=[f"model={model_name}", "dataset=imagenet256", "dataset.train_path=x"])
+    assert paper.model.backbone_type == "DiT-B/2" and paper.train.general.batch_size == 256
+    assert paper.train.optimizer.lr == 1e-4 and paper.train.ema.decay == 0.9999
+    if routed:
+        assert OmegaConf.to_container(paper.model.params.routes) == [
+            dict(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=8)]
+
+
+def test_embedded_training_lowers_the_loss(tmp_path):
+    run_script("train.py", f"results_dir={tmp_path}", "run_name=fall", "model=tread", "+model.params.depth=6",
+               "+model.params.hidden_size=64", "model.params.routes.0.end_layer_idx=3", "train.max_steps=200",
+               "train.logging.log_interval=20", "train.ckpt_every=200", "train.eval.eval_interval=0", check=True)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "fall")]
+    assert len(losses) == 10
+    assert losses[-1] < 0.75 * losses[0], losses
+    assert (tmp_path / "fall" / "config.yaml").exists() and (tmp_path / "fall" / "tensorboard").is_dir()
+
+
+def final_state(run_dir):
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1][1])
+
+
+def assert_bit_identical(a, b):
+    assert a["step"] == b["step"]
+    for key in ("model", "ema"):
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name}"
+    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        for k in pa:
+            assert torch.equal(pa[k], pb[k]), k
+
+
+def train_args(tmp_path, run_name, steps=120):
+    return [sys.executable, str(REPO / "train.py"), f"results_dir={tmp_path}", f"run_name={run_name}",
+            *tiny_overrides("tread"), f"train.max_steps={steps}", "train.ckpt_every=20",
+            "train.logging.log_interval=10"]
+
+
+def start_and_kill_after_checkpoint(tmp_path, run_name, sig, ckpt_step=40):
+    proc = subprocess.Popen(train_args(tmp_path, run_name), cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    target = tmp_path / run_name / "checkpoints" / f"ckpt_{ckpt_step:08d}.pt"
+    deadline = time.time() + 120
+    while not target.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def test_kill9_resume_is_bit_identical(tmp_path):
+    subprocess.run(train_args(tmp_path, "straight"), cwd=REPO, env=subprocess_env(), check=True,
+                   capture_output=True, timeout=300)
+    code, _, _ = start_and_kill_after_checkpoint(tmp_path, "killed", signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert final_state(tmp_path / "killed")["step"] < 120
+    resumed = subprocess.run(train_args(tmp_path, "killed"), cwd=REPO, env=subprocess_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout
+    assert_bit_identical(final_state(tmp_path / "straight"), final_state(tmp_path / "killed"))
+    steps = [r["step"] for r in read_metrics(tmp_path / "killed")]
+    assert steps == sorted(set(steps)) == list(range(10, 121, 10)), "redone steps are logged once"
+
+
+def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path):
+    code, out, _ = start_and_kill_after_checkpoint(tmp_path, "term", signal.SIGTERM, ckpt_step=20)
+    assert code == 128 + signal.SIGTERM, out
+    step = final_state(tmp_path / "term")["step"]
+    assert "stopped by signal" in out and f"at step {step}" in out and step >= 20
+    subprocess.run(train_args(tmp_path, "term"), cwd=REPO, env=subprocess_env(), check=True, capture_output=True,
+                   timeout=300)
+    assert final_state(tmp_path / "term")["step"] == 120
+
+
+def test_resume_false_moves_the_old_run_aside(tmp_path):
+    args = [f"results_dir={tmp_path}", "run_name=again", *tiny_overrides("dit"), "train.max_steps=10",
+            "train.ckpt_every=10", "train.logging.log_interval=5"]
+    run_script("train.py", *args, check=True)
+    proc = run_script("train.py", *args, check=True)
+    assert "already complete" in proc.stdout
+    run_script("train.py", *args, "resume=false", check=True)
+    backups = [p for p in tmp_path.iterdir() if p.name.startswith("again.replaced-")]
+    assert len(backups) == 1 and list_checkpoints(backups[0] / "checkpoints")
+    assert [r["step"] for r in read_metrics(tmp_path / "again")] == [5, 10]
+
+
+def test_two_processes_log_one_reduced_loss(tmp_path):
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    # accelerate's `--cpu` starts one process unless MPI is installed; `--multi_gpu` starts two through
+    # torchrun, and with no GPU train.py joins them on the CPU with gloo.
+    proc = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py"),
+                           f"results_dir={tmp_path}", "run_name=ddp", *tiny_overrides("tread"),
+                           "train.max_steps=20", "train.ckpt_every=20", "train.logging.log_interval=10"],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(tmp_path / "ddp")
+    assert [r["step"] for r in records] == [10, 20], "rank 0 alone writes, once per log step"
+    assert all(r["world_size"] == 2 for r in records)
+    state = final_state(tmp_path / "ddp")
+    assert state["world_size"] == 2 and len(state["rng"]) == 2
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"]), "ranks draw different noise"
+
+
+def bad(tmp_path, *overrides):
+    return run_script("train.py", f"results_dir={tmp_path}", *tiny_overrides("tread"), "train.max_steps=4",
+                      "train.ckpt_every=2", *overrides)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.params.routes.0.end_layer_idx=9"], "outside a model of depth 4"),
+    (["model.params.routes.0.start_layer_idx=3"], "comes after"),
+    (["model.params.routes.0.selection_ratio=1.0"], "selection_ratio"),
+    (["model.params.routes=[{start_layer_idx:1,end_layer_idx:2,selection_ratio:0.5},"
+      "{start_layer_idx:2,end_layer_idx:3,selection_ratio:0.5}]"], "overlaps"),
+    (["model.backbone_type=DiT-Q/2"], "unknown backbone"),
+    (["dataset=imagenet256", "dataset.train_path=/does/not/exist"], "/does/not/exist"),
+    (["dataset=imagenet256"], "dataset.train_path"),
+])
+def test_bad_config_is_one_clear_line(tmp_path, overrides, needle):
+    assert_one_line_error(bad(tmp_path, *overrides), needle)
+
+
+def test_truncated_or_foreign_checkpoint_is_refused_and_untouched(tmp_path):
+    assert bad(tmp_path, "run_name=c").returncode == 0
+    newest = list_checkpoints(tmp_path / "c" / "checkpoints")[-1][1]
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(bad(tmp_path, "run_name=c", "train.max_steps=8"), str(newest), "truncated")
+    assert newest.read_bytes() == data[: len(data) // 2]
+    newest.write_bytes(data)
+    assert_one_line_error(bad(tmp_path, "run_name=c", "train.max_steps=8", "+model.params.mlp_ratio=2"),
+                          "belongs to another model")
+    assert newest.read_bytes() == data
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    proc = bad(tmp_path, "run_name=nan", "train.optimizer.lr=1e30", "train.max_steps=40", "train.ckpt_every=1",
+               "train.logging.log_interval=1000")
+    line = assert_one_line_error(proc, "NaN/inf at step")
+    kept = list_checkpoints(tmp_path / "nan" / "checkpoints")
+    bad_step = int(line.split("at step ")[1].split(";")[0])
+    assert all(step < bad_step for step, _ in kept)
+    for _, path in kept:
+        state = load_checkpoint(path)
+        assert all(torch.isfinite(v).all() for v in state["model"].values())
