@@ -168,13 +168,15 @@ class DiT(nn.Module):
             return checkpoint(block, x, c, use_reentrant=False)
         return block(x, c)
 
-    def forward(self, x, t, y=None, force_routing_ratio=None, routing_seed=None):
-        """x [B, C, H, W], t [B] noise level, y [B] labels (None or `num_classes` = unconditional)."""
+    def forward(self, x, t, y=None, force_routing_ratio=None, routing_seed=None, force_keep=None):
+        """x [B, C, H, W], t [B] noise level, y [B] labels (None or `num_classes` = unconditional).
+
+        force_keep: optional [B, N] bool mask of tokens (patch grid, row-major) that are never routed."""
         if y is None:
             y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
         x = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y)
-        x = self.router(self.blocks, x, c, force_routing_ratio, routing_seed, self._run_block)
+        x = self.router(self.blocks, x, c, force_routing_ratio, routing_seed, self._run_block, force_keep)
         return self.unpatchify(self.final_layer(x, c))
 
 

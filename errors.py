@@ -10,8 +10,17 @@ class UserError(Exception):
 EXIT_USER_ERROR = 2
 
 
+def one_line(message: str) -> str:
+    """A UserError re-raised from a DataLoader worker carries the worker's traceback: keep its last line."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    if len(lines) > 1 and any("Traceback" in line for line in lines):
+        last = lines[-1]
+        return last.split(": ", 1)[1] if last.split(": ", 1)[0].endswith("Error") else last
+    return " ".join(lines)
+
+
 def exit_with(message: str, code: int = EXIT_USER_ERROR):
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print(f"error: {one_line(message)}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 

@@ -9,6 +9,16 @@ restored and gradients reach every token. `selection_ratio` is the fraction of t
 Routing is active only while the model is in training mode. To force it at inference (e.g. for
 routing guidance), pass `force_routing_ratio=r` to the model's forward: every configured route then
 runs with ratio r. `routing_seed=s` makes the token choice reproducible (same seed, same tokens).
+
+Selection per route: `random` (the paper's, the default) or `importance`: each token is scored by
+the L1 norm of its hidden vector, the score is min-max normalised per sample and mixed with uniform
+noise, `importance_mix * score + (1 - importance_mix) * noise`, and the HIGHEST-scoring tokens are
+kept (`importance_mix=1`: exactly the highest-norm tokens; 0: uniform random).
+
+`force_keep` ([B, N] bool, a forward keyword) marks tokens that are never skipped. The kept count
+must be the same for every sample of a batch, so it is `max(N - int(N * ratio), most forced tokens
+in any sample)`: a sample with many forced tokens raises the kept count of the whole batch, and
+samples with fewer fill the rest by their selection rule.
 """
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -19,11 +29,16 @@ import torch.nn as nn
 from errors import UserError
 
 
+SELECTIONS = ("random", "importance")
+
+
 @dataclass(frozen=True)
 class Route:
     start_layer_idx: int
     end_layer_idx: int
     selection_ratio: float
+    selection: str = "random"
+    importance_mix: float = 0.0
 
 
 class RouteError(UserError):
@@ -55,12 +70,17 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
         if not 0.0 <= ratio < 1.0:
             raise RouteError(f"{name}: selection_ratio must be in [0, 1) (the fraction of tokens that skip), "
                              f"got {ratio}")
+        selection, mix = str(r.get("selection", "random")), float(r.get("importance_mix", 0.0))
+        if selection not in SELECTIONS:
+            raise RouteError(f"{name}: selection must be one of {SELECTIONS}, got {selection!r}")
+        if not 0.0 <= mix <= 1.0:
+            raise RouteError(f"{name}: importance_mix must be in [0, 1], got {mix}")
         if resolved and start <= resolved[-1].end_layer_idx:
             prev = resolved[-1]
             raise RouteError(f"{name}: overlaps or comes before route {i - 1} ({prev.start_layer_idx} -> "
                              f"{prev.end_layer_idx}) in a model of depth {depth}; list routes in order, "
                              f"each starting after the previous one ends")
-        resolved.append(Route(start, end, ratio))
+        resolved.append(Route(start, end, ratio, selection, mix))
     return resolved
 
 
@@ -68,14 +88,23 @@ def num_kept(num_tokens: int, ratio: float) -> int:
     return num_tokens - int(num_tokens * ratio)
 
 
-def select_kept_tokens(x: torch.Tensor, ratio: float, generator: Optional[torch.Generator] = None):
-    """Per-sample uniformly random choice of the tokens that go through the route.
-
-    Returns sorted indices [B, K] of the kept tokens (sorted, so kept tokens keep their order).
-    """
+def select_kept_tokens(x: torch.Tensor, ratio: float, generator: Optional[torch.Generator] = None,
+                       selection: str = "random", importance_mix: float = 0.0,
+                       force_keep: Optional[torch.Tensor] = None):
+    """Indices [B, K] of the tokens that go through the route, sorted so kept tokens keep their order."""
     B, N = x.shape[:2]
-    noise = torch.rand(B, N, device=x.device, generator=generator)
-    keep = noise.argsort(dim=1)[:, :num_kept(N, ratio)]
+    score = torch.rand(B, N, device=x.device, generator=generator)
+    if selection == "importance" and importance_mix > 0:
+        norm = x.detach().float().abs().sum(-1)
+        lo, hi = norm.amin(1, keepdim=True), norm.amax(1, keepdim=True)
+        norm = (norm - lo) / (hi - lo).clamp_min(1e-12)
+        score = importance_mix * norm + (1.0 - importance_mix) * score
+    k = num_kept(N, ratio)
+    if force_keep is not None:
+        force_keep = force_keep.to(device=x.device, dtype=torch.bool)
+        score = score + 2.0 * force_keep  # scores lie in [0, 1]: forced tokens always rank first
+        k = max(k, int(force_keep.sum(1).max()))
+    keep = score.topk(k, dim=1, sorted=False).indices
     return keep.sort(dim=1).values
 
 
@@ -128,7 +157,7 @@ class TokenRouter(nn.Module):
         return [r.selection_ratio if on else 0.0 for r in self.routes]
 
     def forward(self, blocks: Sequence[nn.Module], x, c, force_ratio: Optional[float] = None,
-                seed: Optional[int] = None, run_block=None):
+                seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None):
         """`run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing)."""
         run_block = run_block or (lambda block, x, c: block(x, c))
         ratios = self.active_ratios(force_ratio)
@@ -140,7 +169,8 @@ class TokenRouter(nn.Module):
         for i, block in enumerate(blocks):
             if i in starts:
                 route, ratio = starts[i]
-                x_full, keep_idx = x, select_kept_tokens(x, ratio, generator)
+                x_full = x
+                keep_idx = select_kept_tokens(x, ratio, generator, route.selection, route.importance_mix, force_keep)
                 x = start_route(x, keep_idx)
             if after_route and self.fp32_after_route and _autocast_on(x.device.type):
                 with torch.autocast(device_type=x.device.type, enabled=False):

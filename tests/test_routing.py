@@ -161,3 +161,56 @@ def test_dit_b2_training_flops_fall_about_1_4x():
     report = routing_flop_report("DiT-B/2", params, batch_size=1)
     assert report["flops_per_step_dense"] == pytest.approx(3 * 2 * 23.01e9, rel=0.01)  # paper's 23.01 GMACs
     assert 1.35 < report["flop_speedup_bound"] < 1.5
+
+
+def test_importance_selection_keeps_the_highest_norm_tokens():
+    from routing_module import select_kept_tokens
+
+    x = torch.randn(4, 64, 16)
+    keep = select_kept_tokens(x, 0.5, selection="importance", importance_mix=1.0)
+    top = x.abs().sum(-1).topk(32, dim=1).indices.sort(dim=1).values
+    assert torch.equal(keep, top)
+    # and through the model: what enters the route is the highest-norm half of block 0's output
+    model = small_model([dict(route(1, 3, 0.5), selection="importance", importance_mix=1.0)]).train()
+    seen, _ = record_block_io(model)
+    model(*inputs())
+    norms = seen[0][2].abs().sum(-1)
+    expect = norms.topk(32, dim=1).indices.sort(dim=1).values
+    assert torch.equal(seen[1][1], torch.gather(seen[0][2], 1, expect.unsqueeze(-1).expand(-1, -1, 32)))
+
+
+def test_importance_mix_zero_is_uniform():
+    from routing_module import select_kept_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 8) * torch.arange(1, 17).view(1, 16, 1)  # strongly varying norms
+    counts = torch.zeros(16)
+    for _ in range(2000):
+        counts[select_kept_tokens(x, 0.5, g, "importance", 0.0)[0]] += 1
+    freq = counts / 2000
+    assert (freq - 0.5).abs().max() < 0.05, freq  # 4.5 sigma for a binomial(2000, 0.5)
+
+
+def test_force_keep_tokens_are_never_skipped():
+    from routing_module import select_kept_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, 8)
+    force = torch.zeros(3, 64, dtype=torch.bool)
+    force[0, :5] = True
+    force[1, 10:50] = True  # more than the 32 a ratio of 0.5 keeps: the batch keeps 40
+    for _ in range(50):
+        keep = select_kept_tokens(x, 0.5, g, force_keep=force)
+        assert keep.shape == (3, 40)
+        for b in range(3):
+            assert set(force[b].nonzero().flatten().tolist()) <= set(keep[b].tolist())
+    model = small_model([route(1, 3, 0.75)]).train()
+    out = model(*inputs(batch=3), force_keep=force[:, :64])
+    assert out.shape == (3, 1, 16, 16)
+
+
+def test_route_selection_validation():
+    with pytest.raises(RouteError, match="selection must be"):
+        resolve_routes([dict(route(2, 8), selection="norm")], 12)
+    with pytest.raises(RouteError, match="importance_mix"):
+        resolve_routes([dict(route(2, 8), selection="importance", importance_mix=1.5)], 12)

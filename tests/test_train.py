@@ -34,7 +34,7 @@ def test_models_build_from_hydra_configs(model_name, routed):
     assert paper.train.optimizer.lr == 1e-4 and paper.train.ema.decay == 0.9999
     if routed:
         assert OmegaConf.to_container(paper.model.params.routes) == [
-            dict(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=8)]
+            dict(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=8, selection="random", importance_mix=0.0)]
 
 
 def test_embedded_training_lowers_the_loss(tmp_path):
