@@ -49,6 +49,20 @@ def save_checkpoint(state: dict, ckpt_dir, step: int) -> Path:
     return path
 
 
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint file, or a run directory (or its checkpoints/ folder) -> its newest checkpoint."""
+    path = Path(str(path)).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        for folder in (path / "checkpoints", path):
+            found = list_checkpoints(folder)
+            if found:
+                return found[-1][1]
+        raise UserError(f"{path} holds no checkpoints (expected {path}/checkpoints/ckpt_*.pt)")
+    raise UserError(f"checkpoint {path} does not exist (give a ckpt_*.pt file or a run directory)")
+
+
 def load_checkpoint(path) -> dict:
     """Load with weights_only=True; a truncated or foreign file is refused with one clear line."""
     path = Path(path)

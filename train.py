@@ -66,6 +66,21 @@ def drop_redone_records(metrics_file: Path, step: int):
         metrics_file.write_text("".join(line + "\n" for line in kept))
 
 
+def init_weights(cfg, model, ema, optimizer, is_main):
+    """Start a new run from another run's model and EMA weights, e.g. the paper's "(F)" fine-tuning of a
+    TREAD run without routing: `model=dit init_from=results/tread-digits`. Fresh optimizer unless
+    init_from_optimizer=true."""
+    source = ckpt.resolve_checkpoint(cfg.init_from)
+    state = ckpt.load_checkpoint(source)
+    ckpt.load_model_state(model, state["model"], source)
+    ckpt.load_model_state(ema, state["ema"], source)
+    if cfg.init_from_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    if is_main:
+        print(f"initialised from {source} (step {state['step']}), "
+              f"{'with its optimizer state' if cfg.init_from_optimizer else 'fresh optimizer'}")
+
+
 class StopSignal:
     """Remembers SIGTERM/SIGINT so the loop can checkpoint at a step boundary and exit."""
 
@@ -114,6 +129,8 @@ def training_loop(cfg: DictConfig):
         except (ValueError, KeyError) as e:
             raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
         step = int(state["step"])
+    elif cfg.init_from:
+        init_weights(cfg, model, ema, optimizer, is_main)
     ema.to(device)
 
     dataset = build_dataset(cfg.dataset, seed=cfg.global_seed)
