@@ -116,7 +116,7 @@ def sincos_pos_embed_2d(embed_dim, grid_size):
 class DiT(nn.Module):
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
                  mlp_ratio=4.0, num_classes=1000, enable_routing=False, routes=None, qk_norm=False,
-                 fp32_after_route=True, grad_checkpointing=False):
+                 fp32_after_route=True, grad_checkpointing=False, block_type="attention"):
         super().__init__()
         self.in_channels = self.out_channels = in_channels
         self.patch_size = patch_size
@@ -128,7 +128,8 @@ class DiT(nn.Module):
         self.y_embedder = LabelEmbedder(num_classes, hidden_size)
         grid = self.x_embedder.grid_size[0]
         self.register_buffer("pos_embed", sincos_pos_embed_2d(hidden_size, grid).unsqueeze(0), persistent=False)
-        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
+        block_cls = block_classes()[block_type]
+        self.blocks = nn.ModuleList([block_cls(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
         self.router = TokenRouter(resolve_routes(routes, depth), enable_routing, fp32_after_route)
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.initialize_weights()
@@ -180,17 +181,29 @@ class DiT(nn.Module):
         return self.unpatchify(self.final_layer(x, c))
 
 
+def block_classes():
+    from ssm import SSMBlock  # the second backbone family; imported here to keep dit.py standalone
+
+    return {"attention": DiTBlock, "ssm": SSMBlock}
+
+
 def _registry():
     sizes = {"T": (12, 128, 4), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
-    return {f"DiT-{name}/{p}": dict(depth=d, hidden_size=h, num_heads=n, patch_size=p)
-            for name, (d, h, n) in sizes.items() for p in (2, 4, 8)}
+    models = {f"DiT-{name}/{p}": dict(depth=d, hidden_size=h, num_heads=n, patch_size=p)
+              for name, (d, h, n) in sizes.items() for p in (2, 4, 8)}
+    models.update({f"DiS-{name}/{p}": dict(depth=d, hidden_size=h, num_heads=n, patch_size=p, block_type="ssm")
+                   for name, (d, h, n) in sizes.items() if name in ("T", "S", "B") for p in (2, 4, 8)})
+    return models
 
 
 # "DiT-T/*" is the tiny model for the embedded digits dataset (12 blocks, 128 wide, 4 heads).
+# "DiS-*": the same embedders and adaLN-Zero conditioning with state-space blocks instead of attention
+# (ssm.py), a backbone that is not a transformer, routed by the same TokenRouter.
 DiT_models = _registry()
 
 MODEL_PARAM_KEYS = {"num_classes", "in_channels", "input_size", "enable_routing", "routes", "depth", "hidden_size",
-                    "num_heads", "mlp_ratio", "patch_size", "qk_norm", "fp32_after_route", "grad_checkpointing"}
+                    "num_heads", "mlp_ratio", "patch_size", "qk_norm", "fp32_after_route", "grad_checkpointing",
+                    "block_type"}
 
 
 def get_model(backbone_type: str, params) -> DiT:
@@ -204,6 +217,8 @@ def get_model(backbone_type: str, params) -> DiT:
         raise UserError(f"unknown model.params key(s) {unknown}; accepted: {sorted(MODEL_PARAM_KEYS)}")
     kwargs = {**DiT_models[backbone_type], **params}
     kwargs["routes"] = [dict(r) for r in (kwargs.get("routes") or [])]
+    if kwargs.get("block_type", "attention") not in ("attention", "ssm"):
+        raise UserError(f"model.params.block_type must be 'attention' or 'ssm', got {kwargs['block_type']!r}")
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
     return DiT(**kwargs)

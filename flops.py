@@ -1,14 +1,23 @@
-"""FLOP counts of one training step (forward + backward), measured with torch.utils.flop_counter on
-meta tensors: no memory, no compute, exact shapes. The paper's "Gflops" are multiply-accumulates;
-these are FLOPs (2 per MAC)."""
+"""FLOP and memory report for a backbone and its routes.
+
+    python flops.py model=tread dataset=imagenet256          # the configured model, per-GPU batch 1
+    python flops.py model=tread model.backbone_type=DiT-XL/2 model.params.routes.0.end_layer_idx=24
+
+Two independent counts of one training step (forward + backward): `training_step_flops` measures it
+with torch.utils.flop_counter on meta tensors (no memory, no compute), `analytic_training_flops`
+adds up the matmuls of every block from the token count it sees. The report also gives the bound on
+the speed-up routing can bring and an estimate of the activation memory it saves. FLOPs, not MACs:
+the paper's "Gflops" are MACs (a training step costs about 3 x 2 x those).
+"""
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dit import get_model
+from dit import DiT_models, get_model
+from routing_module import num_kept, resolve_routes
 
 
 def training_step_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True) -> int:
-    """FLOPs of forward + backward for one batch; `routing=False` counts the same model unrouted."""
+    """FLOPs of forward + backward for one batch, measured; `routing=False` counts the model unrouted."""
     params = dict(params)
     with torch.device("meta"):
         model = get_model(backbone_type, params).to("meta")
@@ -23,8 +32,95 @@ def training_step_flops(backbone_type: str, params: dict, batch_size: int, routi
     return counter.get_total_flops()
 
 
+def tokens_per_block(depth: int, num_tokens: int, routes, routing: bool = True) -> list:
+    counts = [num_tokens] * depth
+    for r in (routes if routing else []):
+        for i in range(r.start_layer_idx, r.end_layer_idx + 1):
+            counts[i] = num_kept(num_tokens, r.selection_ratio)
+    return counts
+
+
+def architecture(backbone_type: str, params: dict) -> dict:
+    arch = {**DiT_models[backbone_type], **{k: v for k, v in params.items() if k in
+                                           ("depth", "hidden_size", "num_heads", "mlp_ratio", "patch_size",
+                                            "block_type")}}
+    arch.setdefault("mlp_ratio", 4.0)
+    arch.setdefault("block_type", "attention")
+    arch["num_tokens"] = (params["input_size"] // arch["patch_size"]) ** 2
+    return arch
+
+
+def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True) -> int:
+    """The same count from formulas: backward costs twice the forward for every matmul, except the
+    patch embedding, whose input needs no gradient."""
+    a = architecture(backbone_type, params)
+    D, p, C = a["hidden_size"], a["patch_size"], params["in_channels"]
+    hidden, N, S = int(D * a["mlp_ratio"]), a["num_tokens"], 16
+    routes = resolve_routes(params.get("routes"), a["depth"])
+
+    def block(n):
+        mlp = 2 * n * D * hidden * 2
+        ada = 2 * D * 6 * D
+        if a["block_type"] == "ssm":
+            return 2 * n * D * 2 * D + 2 * n * n * D + 2 * n * D * D + mlp + ada
+        return 2 * n * D * 3 * D + 2 * 2 * n * n * D + 2 * n * D * D + mlp + ada
+
+    counts = tokens_per_block(a["depth"], N, routes, routing)
+    per_sample = sum(block(n) for n in counts)
+    # the SSM's convolution kernels (forward and backward scan) are built once per batch, not per sample
+    per_batch = sum(2 * 2 * D * S * n for n in counts) if a["block_type"] == "ssm" else 0
+    per_sample += 2 * 256 * D + 2 * D * D                 # timestep MLP
+    per_sample += 2 * D * 2 * D + 2 * N * D * p * p * C   # final adaLN and linear
+    patch_embed = 2 * N * C * p * p * D
+    return batch_size * (3 * per_sample + 2 * patch_embed) + 3 * per_batch
+
+
+def activation_memory_fraction(backbone_type: str, params: dict) -> float:
+    """Estimated block activation memory with routing as a fraction of dense: activations stored for
+    backward grow with the tokens a block sees (linearly with SDPA's flash/efficient kernels)."""
+    a = architecture(backbone_type, params)
+    counts = tokens_per_block(a["depth"], a["num_tokens"], resolve_routes(params.get("routes"), a["depth"]))
+    return sum(counts) / (a["depth"] * a["num_tokens"])
+
+
 def routing_flop_report(backbone_type: str, params: dict, batch_size: int) -> dict:
-    """Training-step FLOPs with and without the configured routes, and the speed-up bound they imply."""
+    """Training-step FLOPs with and without the configured routes and what they imply."""
     routed = training_step_flops(backbone_type, params, batch_size, routing=True)
     dense = training_step_flops(backbone_type, params, batch_size, routing=False)
-    return {"flops_per_step_dense": dense, "flops_per_step_routed": routed, "flop_speedup_bound": dense / routed}
+    a = architecture(backbone_type, params)
+    return {"flops_per_step_dense": dense, "flops_per_step_routed": routed, "flop_speedup_bound": dense / routed,
+            "analytic_flops_dense": analytic_training_flops(backbone_type, params, batch_size, routing=False),
+            "analytic_flops_routed": analytic_training_flops(backbone_type, params, batch_size, routing=True),
+            "activation_memory_fraction": activation_memory_fraction(backbone_type, params),
+            "tokens_per_block": tokens_per_block(a["depth"], a["num_tokens"],
+                                                 resolve_routes(params.get("routes"), a["depth"]))}
+
+
+def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
+    r = report
+    return (f"FLOPs per training step ({backbone_type}, batch {batch_size}, forward + backward): dense "
+            f"{r['flops_per_step_dense'] / 1e9:.2f} G, routed {r['flops_per_step_routed'] / 1e9:.2f} G -> speed-up "
+            f"bound {r['flop_speedup_bound']:.3f}x; block activation memory ~{r['activation_memory_fraction']:.0%} "
+            f"of dense; tokens per block {r['tokens_per_block']}")
+
+
+def main():
+    import hydra
+    from omegaconf import OmegaConf
+
+    from errors import UserError, exit_with
+
+    @hydra.main(config_path="configs", config_name="config", version_base="1.3")
+    def report(cfg):
+        try:
+            params = OmegaConf.to_container(cfg.model.params, resolve=True)
+            params["enable_routing"] = True
+            print(format_report(cfg.model.backbone_type, routing_flop_report(cfg.model.backbone_type, params, 1), 1))
+        except UserError as e:
+            exit_with(str(e))
+
+    report()
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,7 @@ from data import ResumableBatchSampler, build_dataset
 from dit import get_model
 from edm import EDMLoss, EDMPrecond
 from errors import UserError, exit_with
+from flops import format_report, routing_flop_report
 from metrics_log import MetricsLogger
 
 
@@ -166,6 +167,10 @@ def training_loop(cfg: DictConfig):
               f"{model.router.routes if model.router.enable_routing else 'off'}, {world} process(es) on "
               f"{device}, global batch {cfg.train.general.batch_size}, run dir {run_dir}")
         print(f"resuming from {found[-1][1]} at step {step}" if state is not None else "starting at step 0")
+        if model.router.routes:
+            params = OmegaConf.to_container(cfg.model.params, resolve=True)
+            print(format_report(cfg.model.backbone_type, routing_flop_report(cfg.model.backbone_type, params,
+                                                                            per_rank_batch), per_rank_batch))
 
     def save(at_step):
         rng_states = gather_object([ckpt.capture_rng_state()])

@@ -1,0 +1,292 @@
+"""Random-access reader for precomputed VAE latents: webdataset tar shards or .npy shard pairs.
+
+Formats found under a directory (searched recursively) or given as one file:
+  * `*.tar` in the webdataset layout of the official TREAD code: per sample `<key>.latent.npy` (np.save
+    bytes) and `<key>.cls` (ascii int). Each tar is indexed once from its headers (member offsets and
+    sizes, no data read); the index is cached in memory and in a `<shard>.tar.idx.npz` sidecar when the
+    folder is writable (validated by the shard's size and mtime).
+  * `<stem>.latents.npy` [n, ...] with `<stem>.labels.npy` [n], memory-mapped.
+Per-sample arrays: [C,H,W] a latent; [2C,H,W] posterior moments (mean, logvar) -> mean + std * eps;
+[2,C,H,W] / [2,2C,H,W] the image and its horizontal flip (index 1) -> one chosen per read. Any dtype is
+read as float32 and multiplied by `scale_factor` (stored data is unscaled VAE output).
+Sample i (any non-negative int) is sample i % N of epoch i // N; its randomness comes only from
+(seed, epoch, i % N), so reads are reproducible whatever the worker layout - exact resume needs only i.
+"""
+import bisect
+import io
+import json
+import operator
+import os
+import tarfile
+
+import numpy as np
+import torch
+
+from errors import UserError
+
+LATENT_EXT, LABEL_EXT = ".latent.npy", ".cls"
+NPY_LATENTS, NPY_LABELS = ".latents.npy", ".labels.npy"
+SIDECAR_EXT = ".idx.npz"
+LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
+REEXTRACT = "re-create it with extract_latents.py (complete shards are kept)"
+
+
+def _read_at(path, *ranges):
+    """The bytes of each (offset, size) range of `path`, read with one open (no shared file position)."""
+    chunks = []
+    try:
+        with open(path, "rb") as f:
+            for offset, size in ranges:
+                f.seek(offset)
+                chunks.append(f.read(size))
+                if len(chunks[-1]) != size:
+                    raise UserError(f"{path}: file is truncated (wanted {size} bytes at offset {offset}); {REEXTRACT}")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e}); check the file and its permissions") from None
+    return chunks
+
+
+def _npy_shape(path, offset, size, key):
+    """Shape of an .npy stored at [offset, offset+size) of `path`, from its header only."""
+    f = io.BytesIO(_read_at(path, (offset, min(size, 4096)))[0])
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape = np.lib.format.read_array_header_1_0(f)[0]
+        elif version == (2, 0):
+            shape = np.lib.format.read_array_header_2_0(f)[0]
+        else:  # rare header versions: read the whole (small) array instead
+            f = io.BytesIO(_read_at(path, (offset, size))[0])
+            shape = np.lib.format.read_array(f, allow_pickle=False).shape
+    except (ValueError, EOFError) as e:
+        raise UserError(f"{path}: sample {key} is not a valid .npy ({e}); {REEXTRACT}") from None
+    return tuple(shape)
+
+
+def index_tar(path):
+    """(rows int64 [n, 4] = latent offset, latent size, cls offset, cls size; keys) from the tar headers."""
+    found, order = {}, []
+    try:
+        file_size = os.path.getsize(path)
+        with tarfile.open(path, "r:") as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                head, base = os.path.split(m.name)
+                stem, _, ext = base.partition(".")
+                ext = "." + ext
+                if ext not in (LATENT_EXT, LABEL_EXT):
+                    continue
+                if m.offset_data + m.size > file_size:
+                    raise tarfile.ReadError(f"member {m.name} runs past the end of the file")
+                key = f"{head}/{stem}" if head else stem
+                if key not in found:
+                    found[key] = {}
+                    order.append(key)
+                found[key][ext] = (m.offset_data, m.size)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise UserError(f"{path}: unreadable tar shard ({e}); {REEXTRACT}") from None
+    rows = np.zeros((len(order), 4), dtype=np.int64)
+    for j, key in enumerate(order):
+        parts = found[key]
+        if LATENT_EXT not in parts or LABEL_EXT not in parts:
+            raise UserError(f"{path}: sample {key} lacks its {LATENT_EXT} or {LABEL_EXT} member; {REEXTRACT}")
+        rows[j] = (*parts[LATENT_EXT], *parts[LABEL_EXT])
+    return rows, np.array(order, dtype=str)
+
+
+class _TarShard:
+    def __init__(self, path, count=None):
+        self.path, self.count, self._rows, self._keys = path, count, None, None
+        if count is None:
+            self._index()
+
+    def _stat(self):
+        st = os.stat(self.path)
+        return np.array([st.st_size, st.st_mtime_ns], dtype=np.int64)
+
+    def _index(self):
+        if self._rows is not None:
+            return self._rows, self._keys
+        stat, sidecar = self._stat(), self.path + SIDECAR_EXT
+        try:
+            with np.load(sidecar, allow_pickle=False) as z:
+                if np.array_equal(z["stat"], stat):
+                    self._rows, self._keys = z["rows"], z["keys"]
+        except (OSError, ValueError, KeyError, EOFError):
+            pass
+        if self._rows is None:
+            self._rows, self._keys = index_tar(self.path)
+            tmp = f"{sidecar}.tmp{os.getpid()}"
+            try:  # best effort: a read-only dataset folder simply re-indexes next time
+                with open(tmp, "wb") as f:
+                    np.savez(f, stat=stat, rows=self._rows, keys=self._keys)
+                os.replace(tmp, sidecar)
+            except OSError:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+        if self.count is not None and self.count != len(self._rows):
+            raise UserError(f"{self.path} holds {len(self._rows)} samples but manifest.json says {self.count}; "
+                            f"delete the stale manifest.json or re-extract")
+        self.count = len(self._rows)
+        return self._rows, self._keys
+
+    def first_shape(self):
+        if self._rows is not None:
+            return _npy_shape(self.path, self._rows[0, 0], self._rows[0, 1], self._keys[0]) if self.count else None
+        try:  # count known from the manifest: look at the first few headers only
+            with tarfile.open(self.path, "r:") as tf:
+                for m in tf:
+                    if m.isfile() and m.name.endswith(LATENT_EXT):
+                        return _npy_shape(self.path, m.offset_data, m.size, m.name)
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise UserError(f"{self.path}: unreadable tar shard ({e}); {REEXTRACT}") from None
+        return None
+
+    def read(self, j):
+        rows, keys = self._index()
+        lat_off, lat_size, cls_off, cls_size = (int(v) for v in rows[j])
+        key = str(keys[j])
+        lat_bytes, cls_bytes = _read_at(self.path, (lat_off, lat_size), (cls_off, cls_size))
+        try:
+            arr = np.lib.format.read_array(io.BytesIO(lat_bytes), allow_pickle=False)
+            label = int(cls_bytes.decode("ascii").strip())
+        except (ValueError, EOFError, UnicodeDecodeError) as e:
+            raise UserError(f"{self.path}: sample {key} is corrupt ({e}); {REEXTRACT}") from None
+        return arr, label, key
+
+
+class _NpyShard:
+    def __init__(self, path):
+        self.path, self.label_path, self._maps = path, path[: -len(NPY_LATENTS)] + NPY_LABELS, None
+        lat, lab = self._open()
+        if lat.ndim < 2 or lab.ndim != 1 or lab.shape[0] != lat.shape[0]:
+            raise UserError(f"{path} {list(lat.shape)} and {self.label_path} {list(lab.shape)} do not pair up "
+                            f"(want latents [n, ...] and labels [n]); fix or re-create the pair")
+        self.count = lat.shape[0]
+
+    def _open(self):
+        if self._maps is None or self._maps[0] != os.getpid():
+            arrays = []
+            for p in (self.path, self.label_path):
+                if not os.path.isfile(p):
+                    raise UserError(f"{p} is missing; every *{NPY_LATENTS} needs its *{NPY_LABELS} next to it")
+                try:
+                    arrays.append(np.load(p, mmap_mode="r", allow_pickle=False))
+                except (OSError, ValueError, EOFError) as e:
+                    raise UserError(f"{p}: unreadable .npy ({e}); re-create the file") from None
+            self._maps = (os.getpid(), *arrays)
+        return self._maps[1], self._maps[2]
+
+    def __getstate__(self):  # never pickle a memory map (that would copy the data to each worker)
+        return dict(self.__dict__, _maps=None)
+
+    def first_shape(self):
+        return tuple(self._open()[0].shape[1:]) if self.count else None
+
+    def read(self, j):
+        lat, lab = self._open()
+        return lat[j], int(lab[j]), f"#{j}"
+
+
+def _find_shards(path):
+    if os.path.isfile(path):
+        if path.endswith(".tar"):
+            return [path], []
+        if path.endswith(NPY_LATENTS):
+            return [], [path]
+        raise UserError(f"{path} is not a latent shard (want a .tar or a *{NPY_LATENTS}) or a folder of them")
+    tars, npys = [], []
+    for root, dirs, files in os.walk(path, followlinks=True):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".tar"):
+                tars.append(os.path.join(root, name))
+            elif name.endswith(NPY_LATENTS):
+                npys.append(os.path.join(root, name))
+    return tars, npys
+
+
+def _manifest_counts(path, tars):
+    """{tar path: count} from manifest.json when it lists exactly these tars with matching sizes, else {}."""
+    root = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(root, "manifest.json")) as f:
+            entries = {os.path.normpath(os.path.join(root, s["name"])): s for s in json.load(f)["shards"]}
+        counts = {}
+        for t in tars:
+            s = entries[os.path.normpath(t)]
+            if int(s["bytes"]) != os.path.getsize(t):
+                return {}
+            counts[t] = int(s["count"])
+        return counts
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _seed(seed, epoch, idx):
+    state = np.random.SeedSequence([seed & (2**64 - 1), epoch, idx]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+class LatentShardDataset(torch.utils.data.Dataset):
+    """(latent float32 [in_channels, input_size, input_size] * scale_factor, int label) per index."""
+
+    def __init__(self, path, in_channels, input_size, num_classes, scale_factor=0.18215, random_flip=False, seed=0):
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise UserError(f"latent data path {path} does not exist; point it at the output of extract_latents.py")
+        self.path, self.in_channels, self.input_size = path, int(in_channels), int(input_size)
+        self.num_classes, self.scale_factor = int(num_classes), float(scale_factor)
+        self.random_flip, self.seed = bool(random_flip), int(seed)
+        tars, npys = _find_shards(path)
+        if not tars and not npys:
+            raise UserError(f"no latent shards found under {path} (searched recursively for *.tar and "
+                            f"*{NPY_LATENTS} + *{NPY_LABELS}); run extract_latents.py or fix the path")
+        counts = _manifest_counts(path, tars)
+        shards = [_TarShard(p, counts.get(p)) for p in tars] + [_NpyShard(p) for p in npys]
+        self.shards = sorted(shards, key=lambda s: s.path)
+        for s in self.shards:
+            shape = s.first_shape()
+            if shape is not None:
+                self._layout(shape, s.path)
+        self._ends = np.cumsum([s.count for s in self.shards]).tolist()
+        if self._ends[-1] == 0:
+            raise UserError(f"the latent shards under {path} hold no samples; re-run extract_latents.py")
+
+    def _layout(self, shape, where):
+        c, s = self.in_channels, self.input_size
+        layouts = {(c, s, s): "latent", (2 * c, s, s): "moments", (2, c, s, s): "pair", (2, 2 * c, s, s): "pair_moments"}
+        if tuple(shape) not in layouts:
+            raise UserError(f"{where}: stored latent shape {list(shape)} does not fit in_channels={c}, input_size={s} "
+                            f"(want [{c},{s},{s}], [{2 * c},{s},{s}] moments, or [2,...] flip pairs of those); "
+                            f"set the model's in_channels/input_size to match the data or re-extract")
+        return layouts[tuple(shape)]
+
+    def __len__(self):
+        return self._ends[-1]
+
+    def __getitem__(self, i):
+        i = operator.index(i)
+        if i < 0:
+            raise IndexError(f"LatentShardDataset index must be non-negative, got {i}")
+        epoch, idx = divmod(i, len(self))
+        k = bisect.bisect_right(self._ends, idx)
+        shard = self.shards[k]
+        arr, label, key = shard.read(idx - (self._ends[k - 1] if k else 0))
+        layout = self._layout(arr.shape, f"{shard.path} sample {key}")
+        if not 0 <= label < self.num_classes:
+            raise UserError(f"{shard.path}: sample {key} has label {label} outside [0, {self.num_classes}); "
+                            f"set num_classes to the dataset's class count or fix the labels")
+        g = torch.Generator().manual_seed(_seed(self.seed, epoch, idx))
+        flip = bool(torch.randint(0, 2, (1,), generator=g).item())  # always drawn: a fixed stream per sample
+        if layout.startswith("pair"):
+            arr = arr[int(flip)]
+        x = np.array(arr, dtype=np.float32)  # a copy: never a view of a memory map
+        if self.random_flip and not layout.startswith("pair") and flip:
+            x = x[..., ::-1]
+        if layout.endswith("moments"):  # numpy math: torch's intra-op threads only slow down such small ops
+            mean, logvar = x[: self.in_channels], x[self.in_channels:]
+            eps = torch.randn(mean.shape, generator=g).numpy()
+            x = mean + np.exp(0.5 * np.clip(logvar, LOGVAR_MIN, LOGVAR_MAX)) * eps
+        return torch.from_numpy(np.ascontiguousarray(x * np.float32(self.scale_factor))), label

@@ -1,0 +1,110 @@
+"""The Stable Diffusion VAE (diffusers AutoencoderKL): loading, encoding to posterior moments, decoding.
+
+Shared by extract_latents.py (images -> moments) and sampling (scaled latents -> uint8 images).
+Latents seen by the diffusion model are VAE samples multiplied by SD_VAE_SCALE; stored moments are not.
+The ft-EMA / ft-MSE checkpoints only fine-tuned the decoder, so their encoder equals the original kl-f8.
+"""
+import contextlib
+import logging
+import os
+import warnings
+
+import torch
+
+from errors import UserError
+
+SD_VAE_SCALE = 0.18215
+DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
+LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0  # the clamp of diffusers' DiagonalGaussianDistribution
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+@contextlib.contextmanager
+def _quiet_hub():
+    """Silence hub/diffusers warnings and retry logs while loading: failures become one UserError line."""
+    loggers = [logging.getLogger(n) for n in ("huggingface_hub", "diffusers")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
+def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float32):
+    """Return a frozen diffusers AutoencoderKL in eval mode on `device`.
+
+    `name_or_path` is a local diffusers folder (config.json + weights) or a Hugging Face repo id. A repo id is
+    looked up in the local cache first (works offline); only when it is missing there and the hub is not
+    marked offline (HF_HUB_OFFLINE=1) is a download attempted.
+    """
+    try:
+        from diffusers import AutoencoderKL
+    except ImportError:
+        raise UserError("the SD-VAE needs the diffusers package; install it with `pip install diffusers`") from None
+    name_or_path = os.path.expanduser(os.fspath(name_or_path))
+    how_to = (f"download it with `huggingface-cli download {DEFAULT_VAE}` (or `hf download {DEFAULT_VAE}`), "
+              f"or pass a local diffusers folder holding config.json and the weights")
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise UserError(f"VAE folder {name_or_path} has no config.json; {how_to}")
+        try:
+            with _quiet_hub():
+                vae = AutoencoderKL.from_pretrained(name_or_path, torch_dtype=dtype)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise UserError(f"cannot load the VAE from {name_or_path} ({_first_line(e)}); {how_to}") from None
+    elif os.path.exists(name_or_path) or name_or_path.startswith((".", "/")) or name_or_path.count("/") != 1:
+        raise UserError(f"VAE {name_or_path!r} is neither a diffusers folder nor a Hugging Face repo id "
+                        f"like {DEFAULT_VAE}; {how_to}")
+    else:
+        vae, err = None, None
+        for local_only in (True, False):
+            if not local_only and _offline():
+                break
+            try:
+                with _quiet_hub():
+                    vae = AutoencoderKL.from_pretrained(name_or_path, torch_dtype=dtype, local_files_only=local_only)
+                break
+            except Exception as e:  # hub/network errors come in many types; all mean "weights not available"
+                err = e
+        if vae is None:
+            where = "the Hugging Face cache (offline)" if _offline() else "the Hugging Face cache or the hub"
+            raise UserError(f"VAE weights for {name_or_path} are not available from {where} ({_first_line(err)}); "
+                            f"download them with `huggingface-cli download {name_or_path}` on a machine with "
+                            f"network access (set HF_HOME to share the cache), or pass a local diffusers folder "
+                            f"with --vae PATH") from None
+    vae.eval().requires_grad_(False)
+    return vae.to(device)
+
+
+def vae_downsample_factor(vae) -> int:
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+@torch.no_grad()
+def encode_moments(vae, images: torch.Tensor):
+    """images float NCHW in [-1, 1] -> (mean, logvar), each [N, latent_channels, H/f, W/f], unscaled."""
+    param = next(vae.parameters())
+    dist = vae.encode(images.to(device=param.device, dtype=param.dtype)).latent_dist
+    return dist.mean, dist.logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
+
+
+@torch.no_grad()
+def decode_latents(vae, latents_scaled: torch.Tensor, scale: float = SD_VAE_SCALE) -> torch.Tensor:
+    """Scaled latents [N, C, h, w] -> uint8 images [N, H, W, 3] on the CPU."""
+    param = next(vae.parameters())
+    x = vae.decode(latents_scaled.to(device=param.device, dtype=param.dtype) / scale).sample
+    x = ((x.float() + 1.0) * 127.5).clamp(0, 255).round().to(torch.uint8)
+    return x.permute(0, 2, 3, 1).contiguous().cpu()

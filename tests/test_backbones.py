@@ -1,0 +1,74 @@
+"""Routing on a backbone that is not a DiT (state-space blocks), and the FLOP/memory report."""
+import pytest
+import torch
+
+from conftest import run_script
+from dit import get_model
+from flops import analytic_training_flops, routing_flop_report, training_step_flops
+
+
+def ssm_model(routes, enable_routing=True):
+    torch.manual_seed(0)
+    model = get_model("DiS-T/2", dict(num_classes=10, in_channels=1, input_size=16, enable_routing=enable_routing,
+                                      routes=routes, depth=6, hidden_size=32))
+    for name, p in model.named_parameters():
+        if "adaLN" in name or "final_layer" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def test_ssm_backbone_routes_tokens_and_restores_them():
+    model = ssm_model([dict(start_layer_idx=1, end_layer_idx=3, selection_ratio=0.5)]).train()
+    seen = []
+    for i, b in enumerate(model.blocks):
+        b.register_forward_hook(lambda m, a, out, i=i: seen.append((i, a[0].detach(), out.detach())))
+    x = torch.randn(2, 1, 16, 16, requires_grad=True)
+    out = model(x, torch.rand(2), torch.tensor([1, 10]))
+    assert [inp.shape[1] for _, inp, _ in seen] == [64, 32, 32, 32, 64, 64]
+    entering, restored = seen[0][2], seen[4][1]
+    changed = (restored != entering).any(-1)
+    assert (changed.sum(1) == 32).all()
+    assert torch.equal(restored[~changed], entering[~changed])
+    out.square().sum().backward()
+    assert (x.grad.abs() > 0).all()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    seen.clear()
+    model.eval()(x, torch.rand(2), torch.tensor([1, 10]))
+    assert all(inp.shape[1] == 64 for _, inp, _ in seen), "eval mode never routes"
+
+
+@pytest.mark.parametrize("backbone, size, routes", [
+    ("DiS-T/2", 16, [dict(start_layer_idx=2, end_layer_idx=8, selection_ratio=0.5)]),
+    ("DiT-T/2", 16, [dict(start_layer_idx=0, end_layer_idx=3, selection_ratio=0.25),
+                     dict(start_layer_idx=5, end_layer_idx=-2, selection_ratio=0.75)]),
+    ("DiT-B/2", 32, [dict(start_layer_idx=2, end_layer_idx=8, selection_ratio=0.5)]),
+])
+def test_report_matches_flop_counter_within_one_percent(backbone, size, routes):
+    params = dict(num_classes=10, in_channels=4, input_size=size, enable_routing=True, routes=routes)
+    report = routing_flop_report(backbone, params, batch_size=3)
+    assert report["analytic_flops_dense"] == pytest.approx(report["flops_per_step_dense"], rel=0.01)
+    assert report["analytic_flops_routed"] == pytest.approx(report["flops_per_step_routed"], rel=0.01)
+    assert report["flops_per_step_routed"] < report["flops_per_step_dense"]
+    assert 0 < report["activation_memory_fraction"] < 1
+
+
+def test_ssm_flops_fall_as_the_report_says():
+    params = dict(num_classes=10, in_channels=1, input_size=16, enable_routing=True,
+                  routes=[dict(start_layer_idx=2, end_layer_idx=8, selection_ratio=0.5)])
+    report = routing_flop_report("DiS-T/2", params, batch_size=4)
+    measured_bound = training_step_flops("DiS-T/2", params, 4, False) / training_step_flops("DiS-T/2", params, 4)
+    assert report["flop_speedup_bound"] == pytest.approx(measured_bound)
+    assert report["flop_speedup_bound"] == pytest.approx(
+        analytic_training_flops("DiS-T/2", params, 4, False) / analytic_training_flops("DiS-T/2", params, 4), rel=0.01)
+    assert report["tokens_per_block"] == [64, 64] + [32] * 7 + [64] * 3
+
+
+def test_report_command_and_ssm_training(tmp_path):
+    proc = run_script("flops.py", "model=tread", check=True)
+    assert "speed-up bound 1.4" in proc.stdout and "tokens per block [64, 64, 32" in proc.stdout
+    proc = run_script("train.py", f"results_dir={tmp_path}", "run_name=dis", "model=tread",
+                      "model.backbone_type=DiS-T/2", "+model.params.depth=4", "+model.params.hidden_size=32",
+                      "model.params.routes.0.start_layer_idx=1", "model.params.routes.0.end_layer_idx=2",
+                      "train.max_steps=4", "train.ckpt_every=4", "train.eval.eval_interval=0",
+                      "train.general.batch_size=8", check=True)
+    assert "FLOPs per training step (DiS-T/2" in proc.stdout
