@@ -200,51 +200,53 @@ def training_loop(cfg: DictConfig):
     if step >= max_steps and is_main:
         print(f"run {cfg.run_name} is already complete at step {step}; raise train.max_steps, or start over "
               f"with resume=false or a new run_name")
-    while step < max_steps:
-        x, y = next(data_iter)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        drop = torch.rand(y.shape, device=device) < drop_prob
-        y = torch.where(drop, torch.full_like(y, num_classes), y)
-        loss = loss_fn(net, x, y).mean()
-        accelerator.backward(loss)
-        if grad_clip:
-            accelerator.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        update_ema(ema_params, model_params, decay)
-        step += 1
-        loss = loss.detach()
-        loss_sum += loss
-        bad_step = torch.where((bad_step < 0) & ~torch.isfinite(loss), step, bad_step)
-        steps_since_log += 1
-        bar.update(1)
+    try:
+        while step < max_steps:
+            x, y = next(data_iter)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            drop = torch.rand(y.shape, device=device) < drop_prob
+            y = torch.where(drop, torch.full_like(y, num_classes), y)
+            loss = loss_fn(net, x, y).mean()
+            accelerator.backward(loss)
+            if grad_clip:
+                accelerator.clip_grad_norm_(model.parameters(), grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            update_ema(ema_params, model_params, decay)
+            step += 1
+            loss = loss.detach()
+            loss_sum += loss
+            bad_step = torch.where((bad_step < 0) & ~torch.isfinite(loss), step, bad_step)
+            steps_since_log += 1
+            bar.update(1)
 
-        stop_now = stop.signum is not None if world == 1 else False
-        if step % log_interval == 0 or step == max_steps:
-            mean_loss = (accelerator.reduce(loss_sum, "mean") / steps_since_log).item()
-            if world > 1:
-                stop_now = bool(accelerator.reduce(torch.tensor(float(stop.signum is not None), device=device),
-                                                   "max").item())
-            if not math.isfinite(mean_loss):
-                break
-            elapsed = time.time() - t_log
-            if is_main:
-                steps_per_sec = steps_since_log / elapsed
-                logger.log(step, {"loss": mean_loss, "steps_per_sec": steps_per_sec,
-                                  "images_per_sec": steps_per_sec * cfg.train.general.batch_size,
-                                  "epoch": step / sampler.steps_per_epoch, "lr": o.lr, "world_size": world})
-                bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{steps_per_sec:.2f}")
-            loss_sum.zero_()
-            steps_since_log, t_log = 0, time.time()
-        if step % ckpt_every == 0 or step == max_steps or stop_now:
-            if first_bad_step() >= 0:
-                break
-            save(step)
-        if stop_now:
-            bar.close()
-            print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run the same command to resume")
-            sys.exit(128 + int(stop.signum or 15))
-    bar.close()
+            stop_now = stop.signum is not None if world == 1 else False
+            if step % log_interval == 0 or step == max_steps:
+                mean_loss = (accelerator.reduce(loss_sum, "mean") / steps_since_log).item()
+                if world > 1:
+                    stop_now = bool(accelerator.reduce(torch.tensor(float(stop.signum is not None), device=device),
+                                                       "max").item())
+                if not math.isfinite(mean_loss):
+                    break
+                elapsed = time.time() - t_log
+                if is_main:
+                    steps_per_sec = steps_since_log / elapsed
+                    logger.log(step, {"loss": mean_loss, "steps_per_sec": steps_per_sec,
+                                      "images_per_sec": steps_per_sec * cfg.train.general.batch_size,
+                                      "epoch": step / sampler.steps_per_epoch, "lr": o.lr, "world_size": world})
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{steps_per_sec:.2f}")
+                loss_sum.zero_()
+                steps_since_log, t_log = 0, time.time()
+            if step % ckpt_every == 0 or step == max_steps or stop_now:
+                if first_bad_step() >= 0:
+                    break
+                save(step)
+            if stop_now:
+                bar.close()
+                print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run the same command to resume")
+                sys.exit(128 + int(stop.signum or 15))
+    finally:
+        bar.close()
     if logger is not None:
         logger.close()
     bad = first_bad_step()
