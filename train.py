@@ -22,10 +22,10 @@ from tqdm import tqdm
 import checkpoint as ckpt
 from data import ResumableBatchSampler, build_dataset
 from dit import get_model
-from edm import EDMLoss, EDMPrecond
 from errors import UserError, exit_with
 from flops import format_report, routing_flop_report
 from metrics_log import MetricsLogger
+from objectives import build_objective
 
 
 @torch.no_grad()
@@ -114,9 +114,7 @@ def training_loop(cfg: DictConfig):
     torch.manual_seed(cfg.global_seed)  # identical initial weights on every rank
     model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
-    d = cfg.diffuser
-    net = EDMPrecond(model, sigma_data=d.sigma_data)
-    loss_fn = EDMLoss(P_mean=d.P_mean, P_std=d.P_std, sigma_data=d.sigma_data)
+    net, loss_fn = build_objective(cfg.diffuser, model)
     o = cfg.train.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=device.type == "cuda")
