@@ -11,9 +11,12 @@ import math
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -22,7 +25,7 @@ from tqdm import tqdm
 import checkpoint as ckpt
 from data import ResumableBatchSampler, build_dataset
 from dit import get_model
-from errors import UserError, exit_with
+from errors import UserError, exit_with, one_line
 from flops import format_report, routing_flop_report
 from metrics_log import MetricsLogger
 from objectives import build_objective
@@ -256,14 +259,56 @@ def training_loop(cfg: DictConfig):
     accelerator.end_training()
 
 
+def is_multirun() -> bool:
+    try:
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # not started by hydra.main
+        return False
+
+
+def job_run_name(cfg) -> str:
+    """In a Hydra multirun every job gets its own run directory, <run_name>/<its overrides>."""
+    if not is_multirun():
+        return str(cfg.run_name)
+    job = HydraConfig.get().job
+    return f"{cfg.run_name}/{(job.override_dirname or str(job.num)).replace('/', '_')}"
+
+
+def write_status(cfg, status: str, **info):
+    """status.json in the run directory: running / completed / stopped / failed (read by report.py)."""
+    import json
+    import os
+
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "status.json").write_text(json.dumps({"status": status, "time": time.time(), **info}) + "\n")
+
+
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
+    cfg.run_name = job_run_name(cfg)
     try:
+        write_status(cfg, "running")
         training_loop(cfg)
-    except UserError as e:
-        exit_with(str(e))
-    except OmegaConfBaseException as e:
-        exit_with(f"configuration: {str(e).splitlines()[0]} (set it on the command line, e.g. key=value)")
+        write_status(cfg, "completed")
+    except SystemExit as e:  # a signal stopped the run after its checkpoint
+        write_status(cfg, "stopped", exit_code=e.code)
+        raise
+    except (UserError, OmegaConfBaseException) as e:
+        message = str(e) if isinstance(e, UserError) else \
+            f"configuration: {str(e).splitlines()[0]} (set it on the command line, e.g. key=value)"
+        write_status(cfg, "failed", error=one_line(message))
+        if not is_multirun():
+            exit_with(message)
+        print(f"error: {one_line(message)} (job recorded as failed; the sweep goes on)", file=sys.stderr)
+    except Exception as e:
+        write_status(cfg, "failed", error=f"{type(e).__name__}: {one_line(str(e))}")
+        if not is_multirun():
+            raise
+        traceback.print_exc()
+        print(f"job {cfg.run_name} failed; the sweep goes on", file=sys.stderr)
 
 
 if __name__ == "__main__":
