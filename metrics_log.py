@@ -2,6 +2,7 @@
 only when it is enabled and installed."""
 import json
 import math
+import time
 from pathlib import Path
 
 
@@ -36,11 +37,11 @@ class MetricsLogger:
                                         dir=str(self.run_dir), resume="allow", id=wandb_cfg.get("id") or None)
 
     def log(self, step: int, metrics: dict):
-        record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
+        record = {"step": int(step), "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
+            if key not in ("step", "time") and isinstance(value, (int, float)):
                 if self.tb is not None:
                     self.tb.add_scalar(key, value, step)
         if self.tb is not None:
