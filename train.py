@@ -256,7 +256,8 @@ def training_loop(cfg: DictConfig):
         kept = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was written"
         raise UserError(f"the loss became NaN/inf at step {bad}; training stopped and {kept} (untouched); "
                         f"try a lower train.optimizer.lr, train.optimizer.grad_clip=1.0 or bf16 instead of fp16")
-    accelerator.end_training()
+    if not is_multirun():  # the process group must outlive a job when one launch runs a whole sweep
+        accelerator.end_training()
 
 
 def is_multirun() -> bool:

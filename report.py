@@ -1,0 +1,376 @@
+"""Summarise training runs and sweeps: a table (report.md, report.csv) and FID plots (PNG + SVG).
+
+    python report.py results/placement results/compare --out docs/results
+
+Every directory below the given paths that holds a config.yaml or a status.json is a run (train.py
+writes both). Runs that failed, are still running, stopped early or have unreadable files are listed
+with their status, never dropped; plots skip runs without FID records and say so. Plots:
+fid_vs_step, fid_vs_time (training wall-clock) and route_placement (each route a bar from its start
+to its end block, coloured by final FID, labelled with the difference to the no-routing baseline:
+model dit, routing off or every ratio 0, same backbone and dataset).
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+
+from errors import exit_with
+
+SKIP_DIRS = {"checkpoints", "tensorboard", "wandb", "samples", "__pycache__"}
+DEPTHS = {"T": 12, "S": 12, "B": 12, "L": 24, "XL": 28}  # dit.py's registry: <family>-<size>/<patch>
+COLUMNS = [("run", "run"), ("status", "status"), ("backbone", "backbone"), ("model", "model"),
+           ("routes", "routes"), ("ratio", "ratio"), ("seed", "seed"), ("steps", "steps"),
+           ("final_fid", "final FID"), ("best_fid", "best FID"), ("best_fid_step", "best FID step"),
+           ("steps_per_sec", "steps/s (median)"), ("compute_hours", "compute hours"),
+           ("final_loss", "loss at end"), ("note", "note")]
+RESTART_SLACK_S = 1800  # a gap between two records this much longer than their steps need is a restart
+
+
+def num(value):
+    """A finite float from a metrics value (train.py writes NaN/inf as strings), else None."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def find_runs(roots):
+    runs, replaced = [], []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            replaced += [Path(dirpath) / n for n in dirnames if ".replaced-" in n]
+            dirnames[:] = sorted(n for n in dirnames if n not in SKIP_DIRS and not n.startswith(".")
+                                 and ".replaced-" not in n)
+            if "config.yaml" in filenames or "status.json" in filenames:
+                rel = Path(dirpath).relative_to(root)
+                name = root.resolve().name if str(rel) == "." else str(rel)
+                runs.append((f"{root.resolve().name}/{name}" if len(roots) > 1 and str(rel) != "." else name,
+                             Path(dirpath)))
+    natural = lambda item: [float(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+(?:\.\d+)?)", item[0]))]
+    return sorted(runs, key=natural), replaced  # end=4 before end=11, ratio=0.25 before 0.5
+
+
+def read_metrics(path):
+    records, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            record["step"] = int(record["step"])
+            records.append(record)
+        except (ValueError, TypeError, KeyError):
+            bad += 1
+    return records, bad
+
+
+def elapsed_seconds(records):
+    """Training wall-clock at each record: differences of `time`, or steps / steps_per_sec where a
+    record has no time or a gap holds a restart (resumed runs count only the time they ran)."""
+    out, total, prev_step, prev_time = [], 0.0, 0, None
+    for r in records:
+        sps, t = num(r.get("steps_per_sec")), num(r.get("time"))
+        steps = r["step"] - prev_step
+        estimate = (steps / sps if sps and steps > 0 else 0.0) + (num(r.get("eval_seconds")) or 0.0)
+        dt = t - prev_time if t is not None and prev_time is not None else estimate
+        if dt < 0 or dt > 2 * estimate + RESTART_SLACK_S:
+            dt = estimate
+        total += dt
+        out.append(total)
+        prev_step, prev_time = max(prev_step, r["step"]), t if t is not None else prev_time
+    return out
+
+
+def model_depth(cfg_model):
+    params = cfg_model.get("params") or {}
+    if isinstance(params.get("depth"), int):
+        return params["depth"]
+    m = re.match(r"^\w+-(\w+)/\d+$", str(cfg_model.get("backbone_type", "")))
+    return DEPTHS.get(m.group(1)) if m else None
+
+
+def read_config(run, cfg):
+    model = cfg.get("model") or {}
+    params = model.get("params") or {}
+    depth = model_depth(model)
+    routes = []
+    for r in params.get("routes") or []:
+        s, e = int(r["start_layer_idx"]), int(r["end_layer_idx"])
+        if depth:  # negative indices count from the last block
+            s, e = s % depth if s < 0 else s, e % depth if e < 0 else e
+        routes.append((s, e, float(r.get("selection_ratio", 0.0))))
+    if not params.get("enable_routing", bool(routes)):
+        routes = []
+    run.update(backbone=model.get("backbone_type"), model=model.get("name"), depth=depth, route_list=routes,
+               routes="; ".join(f"{s}->{e}" for s, e, _ in routes) or "off",
+               ratio="; ".join(f"{r:g}" for _, _, r in routes) or "-", seed=cfg.get("global_seed"),
+               dataset=(cfg.get("dataset") or {}).get("name"), max_steps=(cfg.get("train") or {}).get("max_steps"),
+               baseline=not routes or all(r == 0 for _, _, r in routes))
+
+
+def from_dir_name(run, name):
+    """A multirun job's dir is named by its overrides (`k=v,k=v`): show what a run without config.yaml ran."""
+    pairs = dict(re.findall(r"(?:^|,)[+~]*([\w./]+)=((?:[^,]|,(?![+~]*[\w./]+=))*)", name))
+    routes = {}
+    for key, value in pairs.items():
+        m = re.fullmatch(r"model\.params\.routes\.(\d+)\.(start_layer_idx|end_layer_idx|selection_ratio)", key)
+        if m:
+            routes.setdefault(int(m.group(1)), {})[m.group(2)] = value
+    routes = [r for _, r in sorted(routes.items())]
+    run.update(model=pairs.get("model"), seed=pairs.get("global_seed"), backbone=pairs.get("model.backbone_type"),
+               routes="; ".join(f"{r.get('start_layer_idx', '?')}->{r.get('end_layer_idx', '?')}" for r in routes),
+               ratio="; ".join(r.get("selection_ratio", "?") for r in routes if "selection_ratio" in r))
+    run["notes"].append("no config.yaml" + (" (settings from the run dir name)" if pairs else ""))
+
+
+def mark_broken(run, why):
+    run["notes"].append(why)
+    run["status"] = "failed" if run["status"] == "failed" else "broken"
+
+
+def read_run(name, path):
+    import yaml
+
+    run = dict(run=name, dir=path, status="unfinished", notes=[], fid=[], route_list=[], baseline=False)
+    run.update({key: None for key, _ in COLUMNS[2:-1]})
+    try:
+        info = json.loads((path / "status.json").read_text())
+        run["status"] = str(info.get("status", "unfinished"))
+        run["notes"] += [str(info["error"])] if info.get("error") else []
+    except FileNotFoundError:
+        run["notes"].append("no status.json")
+    except (OSError, ValueError, AttributeError):
+        mark_broken(run, "status.json unreadable")
+    try:
+        read_config(run, yaml.safe_load((path / "config.yaml").read_text()) or {})
+    except FileNotFoundError:  # train.py writes it once training starts; a job that failed before has none
+        from_dir_name(run, path.name)
+    except Exception as e:  # a damaged or foreign config must not stop the report
+        mark_broken(run, f"config.yaml unreadable ({type(e).__name__})")
+    try:
+        records, bad = read_metrics(path / "metrics.jsonl")
+        if bad and not records:
+            raise ValueError("no readable record")
+        run["notes"] += [f"{bad} unreadable metrics line(s) skipped"] if bad else []
+        summarise(run, records)
+    except FileNotFoundError:
+        run["notes"] += ["no metrics.jsonl"] if run["status"] != "failed" else []
+    except Exception as e:  # unreadable file or records of an unexpected shape
+        mark_broken(run, f"metrics.jsonl unreadable ({type(e).__name__}: {e})")
+    return run
+
+
+def summarise(run, records):
+    if not records:
+        return
+    elapsed = elapsed_seconds(records)
+    losses = [num(r["loss"]) for r in records if "loss" in r]
+    speeds = [v for v in (num(r.get("steps_per_sec")) for r in records) if v and v > 0]
+    worlds = [int(r["world_size"]) for r in records if isinstance(r.get("world_size"), int)]
+    run["fid"] = [(r["step"], t, num(r["fid"])) for r, t in zip(records, elapsed)
+                  if "fid" in r and num(r["fid"]) is not None]
+    run["steps"] = max(r["step"] for r in records)
+    run["final_loss"] = losses[-1] if losses else None
+    run["steps_per_sec"] = statistics.median(speeds) if speeds else None
+    run["compute_hours"] = elapsed[-1] * (worlds[-1] if worlds else 1) / 3600
+    if run["fid"]:
+        run["final_fid"] = run["fid"][-1][2]
+        run["best_fid_step"], _, run["best_fid"] = min(run["fid"], key=lambda p: p[2])
+    if run["status"] != "completed" and run["max_steps"] and run["steps"] < run["max_steps"]:
+        run["notes"].append(f"{run['steps']} of {run['max_steps']} steps")
+
+
+def cell(value):
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) >= 10 else f"{value:.4g}"
+    return str(value)
+
+
+def baselines(runs):
+    """Mean final FID of the no-routing runs per (backbone, dataset): routing off (model dit) if there is
+    such a run, else every ratio 0."""
+    groups = {}
+    for r in runs:
+        if r["baseline"] and r["final_fid"] is not None:
+            groups.setdefault((r["backbone"], r["dataset"]), []).append((bool(r["route_list"]), r["final_fid"]))
+    picked = {key: [f for routed, f in v if not routed] or [f for _, f in v] for key, v in groups.items()}
+    return {key: (statistics.mean(v), len(v)) for key, v in picked.items()}
+
+
+def by_configuration(runs):
+    groups = {}
+    for r in runs:
+        if r["final_fid"] is not None:
+            groups.setdefault((r["backbone"], r["model"], r["routes"], r["ratio"]), []).append(r)
+    rows = []
+    for (backbone, model, routes, ratio), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        fids = [m["final_fid"] for m in members]
+        spread = f" ± {statistics.stdev(fids):.2f}" if len(fids) > 1 else ""
+        rows.append([backbone, model, routes, ratio, len(members), f"{statistics.mean(fids):.2f}{spread}",
+                     cell(statistics.mean(m["best_fid"] for m in members)),
+                     cell(sum(m["compute_hours"] or 0 for m in members))])
+    return rows
+
+
+def md_table(header, rows):
+    esc = [[str(c).replace("|", "\\|") for c in row] for row in rows]
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(row) + " |" for row in esc])
+
+
+def new_figure(width, height):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.fonttype"] = "none"  # SVG text stays text (searchable, editable)
+    import matplotlib.pyplot as plt
+
+    return plt, *plt.subplots(figsize=(width, height))
+
+
+def labels(runs):
+    """Short legend labels from the config (model, routes, ratio, seed), or the run names if those repeat."""
+    short = [f"{r['model']}" + (f" {r['routes']} @ {r['ratio']}" if r["route_list"] else "") + f", seed {r['seed']}"
+             for r in runs]
+    return short if len(set(short)) == len(short) else [r["run"] for r in runs]
+
+
+def save(plt, fig, out, stem):
+    fig.tight_layout()
+    for ext in ("png", "svg"):
+        fig.savefig(out / f"{stem}.{ext}", dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(runs, out, stem, x_index):
+    with_fid = [r for r in runs if r["fid"]]
+    plt, fig, ax = new_figure(9, 5)
+    longest = max((p[1] for r in with_fid for p in r["fid"]), default=0)
+    scale, unit = (1.0, "") if x_index == 0 else (3600.0, "hours") if longest > 7200 else (60.0, "minutes")
+    for i, (r, label) in enumerate(zip(with_fid, labels(with_fid))):
+        ax.plot([p[x_index] / scale for p in r["fid"]], [p[2] for p in r["fid"]], marker="o", ms=3, label=label,
+                linestyle=["-", "--", ":", "-."][i // 10 % 4])  # 10 colours per line style
+    if with_fid:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+        ax.set(xlabel="training step" if x_index == 0 else f"training wall-clock ({unit})", ylabel="FID")
+        ax.grid(alpha=0.3)
+    else:
+        ax.text(0.5, 0.5, f"no run has FID records yet ({len(runs)} run(s) read)", ha="center", transform=ax.transAxes)
+        ax.set(xticks=[], yticks=[])
+    if with_fid and len(with_fid) < len(runs):
+        fig.text(0.01, 0.01, f"{len(runs) - len(with_fid)} run(s) without FID records not shown", fontsize=8)
+    ax.set_title("FID against " + ("training step" if x_index == 0 else "training wall-clock"))
+    save(plt, fig, out, stem)
+
+
+def plot_routes(runs, out, base):
+    import matplotlib as mpl
+
+    rows = sorted((r for r in runs if r["route_list"] and r["final_fid"] is not None),
+                  key=lambda r: (r["route_list"], str(r["seed"]), r["run"]))
+    plt, fig, ax = new_figure(9, 1.6 + 0.32 * max(len(rows), 3))
+    if not rows:
+        ax.text(0.5, 0.5, "no routed run has FID records yet", ha="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return save(plt, fig, out, "route_placement")
+    fids = [r["final_fid"] for r in rows] + [v for v, _ in base.values()]
+    norm = mpl.colors.Normalize(min(fids), max(fids) if max(fids) > min(fids) else min(fids) + 1)
+    cmap = mpl.colormaps["RdYlGn_r"]
+    depth = max((r["depth"] or max(e for _, e, _ in r["route_list"]) + 1) for r in rows)
+    several_backbones = len({r["backbone"] for r in rows}) > 1
+    for y, r in enumerate(rows):
+        for s, e, _ in r["route_list"]:
+            ax.barh(y, e - s + 1, left=s - 0.5, height=0.7, color=cmap(norm(r["final_fid"])), edgecolor="0.2")
+        ref = base.get((r["backbone"], r["dataset"]))
+        diff = f" ({r['final_fid'] - ref[0]:+.2f})" if ref else ""
+        ax.text(depth - 0.3, y, f"{r['final_fid']:.2f}{diff}", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [f"{label}, {r['backbone']}" if several_backbones else label
+                                     for r, label in zip(rows, labels(rows))], fontsize=8)
+    ax.set_xticks(range(depth))
+    ax.set_xlim(-0.7, depth + 2.2)
+    ax.invert_yaxis()
+    ax.set_xlabel("block (a route skips tokens from its start block through its end block)")
+    fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="final FID")
+    refs = ", ".join(f"{b}: {v:.2f} (mean of {n})" for (b, _), (v, n) in base.items())
+    ax.set_title("Route placement: final FID" + (f" and difference to the no-routing baseline [{refs}]"
+                                                 if refs else " (no no-routing baseline run with FID)"), fontsize=9)
+    skipped = sum(1 for r in runs if r["route_list"] and r["final_fid"] is None)
+    if skipped:
+        fig.text(0.01, 0.01, f"{skipped} routed run(s) without FID records not shown", fontsize=8)
+    save(plt, fig, out, "route_placement")
+
+
+def write_report(runs, out, sources, replaced):
+    out.mkdir(parents=True, exist_ok=True)
+    values = [[run["status"] if k == "status" else "; ".join(run["notes"]) if k == "note" else cell(run[k])
+               for k, _ in COLUMNS] for run in runs]
+    with open(out / "report.csv", "w", newline="") as f:
+        csv.writer(f).writerows([[k for k, _ in COLUMNS], *values])
+    counts = Counter(run["status"] for run in runs)
+    lines = ["# Training report", "",
+             f"Sources: {', '.join(f'`{s}`' for s in sources)}. {len(runs)} run(s): "
+             + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", "",
+             "FID: the run's in-training evaluation records (final = the last one). Compute hours: training "
+             "wall-clock x processes. Routes `i->j`: tokens skip blocks i..j; ratio: fraction skipped.", "",
+             md_table([title for _, title in COLUMNS], values), ""]
+    grouped = by_configuration(runs)
+    if grouped:
+        lines += ["## By configuration (runs with FID; mean ± std over seeds)", "",
+                  md_table(["backbone", "model", "routes", "ratio", "runs", "final FID", "best FID",
+                            "compute hours"], grouped), ""]
+    lines += ["## Plots", ""]
+    problems = []
+    for stem, title, draw in [("fid_vs_step", "FID against step", lambda: plot_curves(runs, out, "fid_vs_step", 0)),
+                              ("fid_vs_time", "FID against wall-clock", lambda: plot_curves(runs, out, "fid_vs_time", 1)),
+                              ("route_placement", "Route placement", lambda: plot_routes(runs, out, baselines(runs)))]:
+        try:
+            draw()
+            lines += [f"![{title}]({stem}.png) ([svg]({stem}.svg))", ""]
+        except Exception as e:  # a plot must never cost the table
+            problems.append(f"plot {stem} failed: {type(e).__name__}: {e}")
+    without = [r["run"] for r in runs if not r["fid"]]
+    notes = problems + ([f"{len(without)} run(s) without FID records (FID columns '-', not in the plots): "
+                         + ", ".join(f"`{n}`" for n in without)] if without else [])
+    notes += [f"skipped {len(replaced)} run(s) moved aside by resume=false: "
+              + ", ".join(f"`{p}`" for p in replaced)] if replaced else []
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    (out / "report.md").write_text("\n".join(lines))
+    return problems
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", help="run directories or folders of runs (searched recursively)")
+    parser.add_argument("--out", default="report", help="output folder for report.md, report.csv and plots")
+    parser.error = lambda message: exit_with(f"{message} (usage: python report.py RUN_OR_SWEEP_DIR [...] --out DIR)")
+    args = parser.parse_args(argv)
+    roots = [Path(p) for p in args.paths]
+    missing = [str(p) for p in roots if not p.is_dir()]
+    if missing:
+        exit_with(f"not a directory: {', '.join(missing)} (give run directories or folders holding them)")
+    found, replaced = find_runs(roots)
+    if not found:
+        exit_with(f"no run directory (a folder with config.yaml or status.json) under {', '.join(args.paths)}")
+    runs = [read_run(name, path) for name, path in found]
+    try:
+        problems = write_report(runs, Path(args.out), args.paths, replaced)
+    except OSError as e:
+        exit_with(f"cannot write the report to {args.out}: {e.strerror or e}")
+    print(f"{len(runs)} run(s) -> {Path(args.out) / 'report.md'}, report.csv, "
+          f"fid_vs_step / fid_vs_time / route_placement (.png, .svg)")
+    for p in problems:
+        print(f"warning: {p}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
