@@ -28,7 +28,7 @@ from dit import get_model
 from errors import UserError, exit_with, one_line
 from flops import format_report, routing_flop_report
 from metrics_log import MetricsLogger
-from objectives import build_objective
+from objectives import build_denoiser, build_objective
 
 
 @torch.no_grad()
@@ -187,6 +187,13 @@ def training_loop(cfg: DictConfig):
     def first_bad_step():
         return int(accelerator.reduce(bad_step, "max").item())
 
+    evaluator, eval_net, eval_interval = None, None, cfg.train.eval.eval_interval
+    if eval_interval and eval_interval > 0:
+        from train_eval import TrainingEvaluator
+
+        evaluator = TrainingEvaluator(cfg, accelerator, run_dir)
+        eval_net = build_denoiser(cfg.diffuser, ema)
+
     stop = StopSignal()
     model_params = list(model.parameters())
     ema_params = list(ema.parameters())
@@ -242,6 +249,12 @@ def training_loop(cfg: DictConfig):
                 if first_bad_step() >= 0:
                     break
                 save(step)
+            if evaluator is not None and (step % eval_interval == 0 or step == max_steps) and not stop_now:
+                scores = evaluator(eval_net, step)
+                if is_main:
+                    logger.log(step, scores)
+                    tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+                t_log = time.time()  # evaluation time is not training time
             if stop_now:
                 bar.close()
                 print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run the same command to resume")

@@ -1,0 +1,94 @@
+"""Latents -> images: the autoencoder side of sampling.
+
+Every decoder has ``decode(latents) -> images`` (also callable as ``decoder(latents)``):
+
+* ``latents``: float tensor [N, C, h, w] as the diffusion model produces them (any device);
+* ``images``:  **torch.uint8 tensor [N, H, W, 3] on the CPU** (NHWC, RGB, values 0..255), the layout of
+  the ADM evaluation batches; ``.numpy()`` gives the array to store.
+
+`IdentityDecoder` serves the embedded digits (the "latents" are the images themselves), `SDVAEDecoder`
+the ImageNet latents of the Stable Diffusion VAE. `decoder_for(dataset_cfg)` picks the one a dataset needs.
+"""
+import os
+
+import torch
+
+from errors import UserError
+
+DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
+
+
+def _get(cfg, key, default=None):
+    """cfg[key] for a dict or an OmegaConf node, `default` when absent or null."""
+    if cfg is None:
+        return default
+    try:
+        value = cfg.get(key, default)
+    except AttributeError:
+        value = getattr(cfg, key, default)
+    return default if value is None else value
+
+
+class IdentityDecoder:
+    """Latents that are images in [-1, 1]: round((x + 1) * 127.5), clamped to [0, 255].
+
+    One channel (the digits) is repeated to grey RGB; three channels are taken as RGB.
+    """
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        if latents.ndim != 4 or latents.shape[1] not in (1, 3):
+            raise ValueError(f"IdentityDecoder expects [N, 1 or 3, H, W] latents, got {tuple(latents.shape)}")
+        x = ((latents.detach().float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        return x.permute(0, 2, 3, 1).contiguous()
+
+    __call__ = decode
+
+
+class SDVAEDecoder:
+    """Scaled SD-VAE latents (latent * scale, scale 0.18215) -> images, through diffusers' AutoencoderKL.
+
+    `vae` is a local diffusers folder, a Hugging Face repo id looked up in the local cache first (see
+    `data.vae.load_sd_vae`: offline without the weights this raises a one-line UserError), or an already
+    loaded AutoencoderKL. The VAE is loaded at construction, so a missing one fails before any sampling.
+    Decoding runs in chunks of `decode_batch_size` latents to bound memory.
+    """
+
+    def __init__(self, vae=DEFAULT_VAE, device="cpu", dtype=torch.float32, scale=None, decode_batch_size=32):
+        from data.vae import SD_VAE_SCALE, load_sd_vae
+
+        if isinstance(vae, (str, os.PathLike)):
+            vae = load_sd_vae(os.fspath(vae), device=device, dtype=dtype)
+        elif not isinstance(vae, torch.nn.Module):
+            raise UserError(f"SDVAEDecoder needs a VAE path, a repo id or an AutoencoderKL, got {type(vae).__name__}")
+        self.vae = vae
+        self.scale = float(SD_VAE_SCALE if scale is None else scale)
+        if decode_batch_size < 1:
+            raise ValueError(f"decode_batch_size must be positive, got {decode_batch_size}")
+        self.decode_batch_size = int(decode_batch_size)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        from data.vae import decode_latents
+
+        chunks = [decode_latents(self.vae, part, scale=self.scale)
+                  for part in latents.detach().split(self.decode_batch_size)]
+        return torch.cat(chunks) if chunks else torch.zeros(0, 0, 0, 3, dtype=torch.uint8)
+
+    __call__ = decode
+
+
+def decoder_for(dataset_cfg, vae=None, device="cpu", dtype=torch.float32):
+    """The decoder for a run's `dataset` config (a dict or an OmegaConf node).
+
+    dataset.kind 'digits' -> IdentityDecoder; 'shards' -> SDVAEDecoder with, in order of precedence, the
+    `vae` argument (path, repo id or loaded AutoencoderKL), `dataset.vae`, or stabilityai/sd-vae-ft-ema,
+    and `dataset.scale_factor` (default 0.18215) as the latent scale.
+    """
+    kind = _get(dataset_cfg, "kind")
+    if kind == "digits":
+        return IdentityDecoder()
+    if kind == "shards":
+        return SDVAEDecoder(vae if vae is not None else _get(dataset_cfg, "vae", DEFAULT_VAE), device=device,
+                            dtype=dtype, scale=_get(dataset_cfg, "scale_factor"))
+    raise UserError(f"no decoder for dataset.kind {kind!r}; known kinds: 'digits' (identity), 'shards' (SD-VAE)")

@@ -1,0 +1,7 @@
+"""Sample-quality evaluation: the ADM suite (Inception Score, FID, sFID, precision, recall) on a
+PyTorch port of the 2015-12-05 FID Inception graph, and a small digits classifier that stands in
+for Inception on the embedded digits dataset.
+
+Modules: metrics (the numbers), inception (the network), features (image/feature batching),
+evaluator (ADM CLI and `evaluate`), digits_classifier (toy-scale feature network).
+"""

@@ -1,0 +1,158 @@
+"""FID statistics and FID from the command line (ADM-compatible reference files).
+
+    python fid.py ref  --images DIR_OR_NPZ --out REF.npz   # writes mu, sigma, mu_s, sigma_s
+    python fid.py calc --images DIR_OR_NPZ --ref REF.npz   # prints "FID: <value>"
+
+DIR is a folder of PNG/JPG images (read with PIL as RGB, all of one size); an .npz holds ``arr_0``
+uint8 [N, H, W, 3] (an ADM batch). The reference written by ``ref`` is an ADM reference file
+(``mu``, ``sigma`` of the 2048-d pool features, ``mu_s``, ``sigma_s`` of the 2023-d spatial ones),
+readable by evaluations/evaluator.py; ``--save-features`` adds ``pool_features`` so the evaluator
+can also compute precision/recall. ``calc`` accepts any ADM reference batch (statistics, or images).
+
+Options shared by both: ``--network inception`` (default; weights from ``--weights PATH``, env
+``TREAD_INCEPTION_WEIGHTS``, the cache, or a download) or ``--network digits`` (the shipped digits
+classifier, for the toy dataset); ``--batch-size``, ``--device``, ``--num-images N`` (first N, error
+if fewer); ``--random-init`` (tests only). Bad input: one ``error:`` line on stderr, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from errors import UserError, report_user_errors
+
+NETWORKS = ("inception", "digits")
+
+
+def load_network(name: str, weights=None, device="auto", random_init: bool = False):
+    """The feature extractor for ``--network`` (inception | digits)."""
+    from evaluations.evaluator import resolve_device
+
+    dev = resolve_device(device)
+    if name == "digits":
+        from evaluations.digits_classifier import load_digits_classifier
+
+        if random_init:
+            raise UserError("--random-init applies to --network inception only")
+        return load_digits_classifier(weights, device=dev)
+    from evaluations.inception import load_inception
+
+    return load_inception(weights, device=dev, random_init=random_init)
+
+
+def network_tag(name: str, random_init: bool) -> str:
+    return name + ("-random-init" if random_init else "")
+
+
+def image_features(source, extractor, batch_size: int, num_images: int | None, progress: bool) -> dict:
+    from evaluations.features import compute_features, open_images
+
+    images = open_images(source, min_count=num_images)
+    n = len(images) if num_images is None else num_images
+    if n < 2:
+        raise UserError(f"{source} holds {n} image(s); statistics need at least 2")
+    return compute_features(extractor, images, batch_size, limit=num_images, progress=progress,
+                            desc="images", keys=("pool", "spatial"))
+
+
+def write_reference(out, feats: dict, tag: str, save_features: bool = False) -> Path:
+    """Write an ADM reference file (mu, sigma, mu_s, sigma_s [+ pool_features]) atomically."""
+    from evaluations.metrics import feature_statistics
+
+    out = Path(out)
+    if out.suffix != ".npz":
+        raise UserError(f"--out {out} must end in .npz")
+    if out.exists() and out.is_dir():
+        raise UserError(f"--out {out} is a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mu, sigma = feature_statistics(feats["pool"])
+    arrays = {"mu": mu, "sigma": sigma, "feature_network": np.array(tag)}
+    if "spatial" in feats:
+        arrays["mu_s"], arrays["sigma_s"] = feature_statistics(feats["spatial"])
+    if save_features:
+        arrays["pool_features"] = feats["pool"]
+    tmp = out.with_name(out.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, out)
+    return out
+
+
+def _check_network_tag(ref_path, tag: str):
+    with np.load(ref_path, allow_pickle=False) as npz:
+        if "feature_network" in npz.files:
+            stored = str(npz["feature_network"])
+            if stored != tag:
+                raise UserError(f"{ref_path} was made with --network {stored}, not {tag}; "
+                                f"use the same network for both")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="FID reference statistics and FID (ADM-compatible).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--images", required=True, help="folder of PNG/JPG images, or .npz with arr_0 uint8 [N,H,W,3]")
+        p.add_argument("--network", choices=NETWORKS, default="inception",
+                       help="feature network: inception (ImageNet FID) or digits (toy dataset)")
+        p.add_argument("--weights", default=None,
+                       help="weights file (inception: pt_inception-2015-12-05-6726825d.pth, else env "
+                            "TREAD_INCEPTION_WEIGHTS / cache / download; digits: the shipped file)")
+        p.add_argument("--batch-size", type=int, default=64)
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+        p.add_argument("--num-images", type=int, default=None, help="use the first N images (error if fewer)")
+        p.add_argument("--random-init", action="store_true", help="FOR TESTS ONLY: random Inception weights")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    ref = sub.add_parser("ref", help="write reference statistics")
+    common(ref)
+    ref.add_argument("--out", required=True, help="output .npz (ADM reference format)")
+    ref.add_argument("--save-features", action="store_true",
+                     help="also store the pool features (lets the evaluator compute precision/recall)")
+    calc = sub.add_parser("calc", help="print the FID of --images against --ref")
+    common(calc)
+    calc.add_argument("--ref", required=True, help="reference .npz (statistics from `fid.py ref`, or an ADM batch)")
+    return parser
+
+
+@report_user_errors
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.num_images is not None and args.num_images < 2:
+        raise UserError(f"--num-images must be >= 2, got {args.num_images}")
+    from evaluations.features import open_images
+
+    tag = network_tag(args.network, args.random_init)
+    open_images(args.images, min_count=args.num_images)  # validate before building a network
+    if args.command == "calc":
+        from evaluations.evaluator import inspect_reference
+
+        inspect_reference(args.ref)
+        _check_network_tag(args.ref, tag)
+    extractor = load_network(args.network, args.weights, args.device, args.random_init)
+    progress = not args.no_progress
+    if args.command == "ref":
+        feats = image_features(args.images, extractor, args.batch_size, args.num_images, progress)
+        out = write_reference(args.out, feats, tag, args.save_features)
+        print(f"wrote {out} ({len(feats['pool'])} images, network {tag})")
+        return
+    from evaluations.evaluator import reference_from_npz
+    from evaluations.metrics import feature_statistics, frechet_distance
+
+    ref = reference_from_npz(args.ref, extractor, args.batch_size, progress)
+    feats = image_features(args.images, extractor, args.batch_size, args.num_images, progress)
+    mu, sigma = feature_statistics(feats["pool"])
+    try:
+        fid = frechet_distance(mu, sigma, ref["mu"], ref["sigma"])
+    except ValueError as e:
+        raise UserError(f"FID: {e}") from None
+    print(f"FID: {fid}")
+
+
+if __name__ == "__main__":
+    main()

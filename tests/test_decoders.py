@@ -1,0 +1,113 @@
+"""Decoders: identity for the digits, SD-VAE (a tiny random AutoencoderKL saved locally) for ImageNet latents."""
+import numpy as np
+import pytest
+import torch
+
+import sampling
+from decoders import IdentityDecoder, SDVAEDecoder, decoder_for
+from dit import get_model
+from edm import EDMPrecond
+from errors import UserError
+
+RES = 16  # the tiny VAE downsamples by 2: latents 4 x 8 x 8 -> images 16 x 16
+
+
+@pytest.fixture(scope="module")
+def tiny_vae(tmp_path_factory):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
+                        norm_num_groups=8, sample_size=RES)
+    path = tmp_path_factory.mktemp("tiny_vae")
+    vae.save_pretrained(path)
+    return str(path)
+
+
+def test_identity_decoder():
+    x = torch.tensor([-1.0, -0.5, 0.0, 0.999, 1.0, 3.0, -7.0]).reshape(1, 1, 1, 7).repeat(2, 1, 3, 1)
+    images = IdentityDecoder().decode(x)
+    assert images.dtype == torch.uint8 and images.shape == (2, 3, 7, 3) and images.device.type == "cpu"
+    assert images[0, 0, :, 0].tolist() == [0, 64, 128, 255, 255, 255, 0]  # round((x+1)*127.5), clamped
+    assert torch.equal(images[..., 0], images[..., 1]) and torch.equal(images[..., 0], images[..., 2])
+    rgb = IdentityDecoder()(torch.zeros(1, 3, 2, 2, dtype=torch.float64))
+    assert rgb.shape == (1, 2, 2, 3)
+    with pytest.raises(ValueError):
+        IdentityDecoder().decode(torch.zeros(1, 4, 2, 2))
+
+
+def test_sd_vae_decoder_from_a_local_folder(tiny_vae):
+    from data.vae import decode_latents
+
+    decoder = SDVAEDecoder(tiny_vae, decode_batch_size=2)
+    latents = torch.randn(3, 4, RES // 2, RES // 2, generator=torch.Generator().manual_seed(0))
+    images = decoder.decode(latents)
+    assert images.dtype == torch.uint8 and images.shape == (3, RES, RES, 3)
+    assert torch.equal(images, decode_latents(decoder.vae, latents))  # chunking changes nothing
+    assert images.float().std() > 0
+
+
+def test_decoder_for_picks_by_dataset_kind(tiny_vae):
+    assert isinstance(decoder_for({"kind": "digits"}), IdentityDecoder)
+    from_arg = decoder_for({"kind": "shards", "scale_factor": 0.5}, vae=tiny_vae)
+    assert isinstance(from_arg, SDVAEDecoder) and from_arg.scale == 0.5
+    from_cfg = decoder_for({"kind": "shards", "vae": tiny_vae})
+    assert from_cfg.scale == pytest.approx(0.18215)
+    assert isinstance(decoder_for({"kind": "shards"}, vae=from_cfg.vae), SDVAEDecoder)  # a loaded VAE
+    with pytest.raises(UserError, match="dataset.kind"):
+        decoder_for({"kind": "pixels"})
+
+
+def test_missing_vae_weights_offline_is_a_user_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="not available"):
+        decoder_for({"kind": "shards", "vae": "nobody/no-such-vae"})
+    with pytest.raises(UserError, match="config.json"):
+        SDVAEDecoder(str(tmp_path))
+
+
+def test_generate_imagenet_style_latents_through_the_vae(tiny_vae):
+    torch.manual_seed(0)
+    model = get_model("DiT-T/2", dict(num_classes=3, in_channels=4, input_size=RES // 2, depth=2, hidden_size=32,
+                                      num_heads=2))
+    net = EDMPrecond(model).eval()
+    decoder = decoder_for({"kind": "shards", "vae": tiny_vae})
+    images, labels = sampling.generate(net, [3, 1, 2], sampler_kwargs={"num_steps": 2}, decoder=decoder,
+                                       batch_size=2, progress=False)
+    assert isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.shape == (3, RES, RES, 3)
+    assert labels.dtype == np.int64 and set(labels.tolist()) <= {0, 1, 2}
+
+
+def test_sample_cli_decodes_imagenet_style_checkpoints_with_the_vae(tiny_vae, tmp_path, monkeypatch, capsys):
+    """sample.py on a 4-channel 'shards' run: the VAE comes from vae=PATH; offline without weights, one line."""
+    import sample
+    from accelerate.state import AcceleratorState
+
+    torch.manual_seed(0)
+    params = dict(num_classes=3, in_channels=4, input_size=RES // 2, depth=2, hidden_size=32, num_heads=2,
+                  enable_routing=False, routes=[])
+    weights = get_model("DiT-T/2", params).state_dict()
+    config = {"model": {"backbone_type": "DiT-T/2", "params": params}, "diffuser": {"sigma_data": 0.5},
+              "dataset": {"kind": "shards", "scale_factor": 0.18215}, "train": {"general": {"class_drop_prob": 0.1}}}
+    ckpt = tmp_path / "ckpt_00000007.pt"
+    torch.save({"step": 7, "model": weights, "ema": weights, "config": config}, ckpt)
+
+    def run(*args):
+        try:
+            sample.main([f"ckpt={ckpt}", "num_samples=3", "sampler.num_steps=2", "progress=false", *args])
+            return 0
+        except SystemExit as e:
+            return e.code
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+
+    assert run(f"vae={tiny_vae}", f"out={tmp_path}/s.npz") in (0, None)
+    with np.load(tmp_path / "s.npz") as data:
+        assert data["arr_0"].dtype == np.uint8 and data["arr_0"].shape == (3, RES, RES, 3)
+    capsys.readouterr()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert run("vae=nobody/no-such-vae", f"out={tmp_path}/t.npz") == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "not available" in err and "Traceback" not in err
+    assert not (tmp_path / "t.npz").exists()

@@ -1,0 +1,70 @@
+"""The digits feature network: shipped weights, held-out accuracy, interface, FID sanity."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.digits import load_digits_split  # noqa: E402
+from evaluations.digits_classifier import (WEIGHTS_PATH, accuracy, digits_fid,  # noqa: E402
+                                           digits_reference_statistics, evaluate_digits, load_digits_classifier)
+from evaluations.features import latents_to_uint8  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    return load_digits_classifier(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(classifier):
+    return digits_reference_statistics(classifier)
+
+
+def test_shipped_weights_are_small_and_safe_to_load():
+    assert WEIGHTS_PATH.is_file() and WEIGHTS_PATH.stat().st_size < 1_000_000
+    state = torch.load(WEIGHTS_PATH, map_location="cpu", weights_only=True)
+    assert all(torch.is_tensor(v) for v in state.values())
+
+
+def test_held_out_accuracy_at_least_97_percent(classifier):
+    images, labels = load_digits_split("test", resolution=16)
+    assert len(labels) == 297
+    assert accuracy(classifier, latents_to_uint8(images), labels) >= 0.97
+
+
+def test_interface_and_spatial_order(classifier):
+    images = latents_to_uint8(load_digits_split("test")[0][:5])
+    captured = {}
+    handle = classifier.conv3.register_forward_hook(lambda m, i, o: captured.__setitem__("map", o))
+    try:
+        with torch.no_grad():
+            out = classifier(images)
+    finally:
+        handle.remove()
+    assert out["pool"].shape == (5, 128) and out["logits"].shape == (5, 10) and out["spatial"].shape == (5, 256)
+    manual = torch.relu(captured["map"])[:, :4].permute(0, 2, 3, 1).reshape(5, -1)  # (h, w, c)
+    torch.testing.assert_close(out["spatial"], manual)
+    # channel 0 only: other channels are ignored; p / 127.5 - 1 maps uint8 back to [-1, 1]
+    scrambled = images.clone()
+    scrambled[..., 1:] = 7
+    torch.testing.assert_close(classifier(scrambled)["logits"], out["logits"])
+    x = classifier.uint8_to_input(torch.full((1, 8, 8, 3), 255, dtype=torch.uint8))  # other sizes: resized
+    assert x.shape == (1, 1, 16, 16) and torch.allclose(x, torch.ones_like(x))
+
+
+def test_reference_statistics_and_fid_sanity(classifier, reference):
+    assert reference["mu"].shape == (128,) and reference["sigma"].shape == (128, 128)
+    assert reference["pool"].shape == (297, 128) and reference["mu_s"].shape == (256,)
+    train = load_digits_split("train")[0]
+    fid_train = digits_fid(train, classifier, reference)
+    fid_noise = digits_fid(torch.rand(300, 1, 16, 16) * 2 - 1, classifier, reference)
+    assert fid_train < 10 and fid_noise > 10 * fid_train
+    metrics = evaluate_digits(train[:300], classifier, reference)
+    assert metrics["precision"] > 0.8 and metrics["recall"] > 0.6 and metrics["inception_score"] > 7
+    # uint8 images give the same numbers as the latents they come from
+    assert digits_fid(latents_to_uint8(train), classifier, reference) == pytest.approx(fid_train, rel=1e-9)
+    assert np.isfinite(metrics["sfid"])
