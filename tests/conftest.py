@@ -49,3 +49,16 @@ def assert_one_line_error(proc, *needles):
 @pytest.fixture
 def repo():
     return REPO
+
+
+def save_tiny_vae(path, sample_size):
+    """A tiny randomly initialised diffusers AutoencoderKL (downsamples by 2), saved so real loading code runs."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
+                        norm_num_groups=8, sample_size=sample_size)
+    vae.save_pretrained(path)
+    return str(path)

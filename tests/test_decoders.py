@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import save_tiny_vae
 import sampling
 from decoders import IdentityDecoder, SDVAEDecoder, decoder_for
 from dit import get_model
@@ -14,15 +15,7 @@ RES = 16  # the tiny VAE downsamples by 2: latents 4 x 8 x 8 -> images 16 x 16
 
 @pytest.fixture(scope="module")
 def tiny_vae(tmp_path_factory):
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(0)
-    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
-                        norm_num_groups=8, sample_size=RES)
-    path = tmp_path_factory.mktemp("tiny_vae")
-    vae.save_pretrained(path)
-    return str(path)
+    return save_tiny_vae(tmp_path_factory.mktemp("tiny_vae"), RES)
 
 
 def test_identity_decoder():

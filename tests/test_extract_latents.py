@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import save_tiny_vae
 import extract_latents as xl
 from data.shards import LatentShardDataset
 from data.vae import SD_VAE_SCALE, decode_latents, encode_moments, load_sd_vae
@@ -25,15 +26,7 @@ FLAGS = ["--resolution", str(RES), "--shard-size", "4", "--num-workers", "0", "-
 
 @pytest.fixture(scope="module")
 def tiny_vae(tmp_path_factory):
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(0)
-    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
-                        norm_num_groups=8, sample_size=RES)
-    path = tmp_path_factory.mktemp("vae")
-    vae.save_pretrained(path)
-    return str(path)
+    return save_tiny_vae(tmp_path_factory.mktemp("vae"), RES)
 
 
 @pytest.fixture(scope="module")
