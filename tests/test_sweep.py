@@ -112,13 +112,13 @@ def test_reproduce_script_runs_the_documented_sweeps(tmp_path):
         assert call[1] == "-m"
         for job in expand(call[2:]):
             cfg = compose_cfg(job)
-            assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples) == (1200, 200, 500)
+            assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples) == (600, 150, 256)
             assert cfg.model.backbone_type == "DiT-T/2" and cfg.dataset.name == "digits"
             key = f"{cfg.results_dir}/{cfg.run_name}/{cfg.hydra.job.override_dirname}"
             routes = [(r.start_layer_idx, r.end_layer_idx, r.selection_ratio) for r in cfg.model.params.routes]
             runs[key] = (cfg.model.name, cfg.global_seed, routes if cfg.model.params.enable_routing else None)
-    assert len(runs) == 10
+    assert len(runs) == 8
     compare = sorted(v for k, v in runs.items() if k.startswith("res/compare/"))
     assert compare == sorted([("dit", s, None) for s in range(3)] + [("tread", s, [(2, 8, 0.5)]) for s in range(3)])
     ratio = sorted(v for k, v in runs.items() if k.startswith("res/ratio/"))
-    assert ratio == [("tread", 0, [(2, 8, r)]) for r in (0.0, 0.25, 0.5, 0.75)]
+    assert ratio == [("tread", 0, [(2, 8, r)]) for r in (0.25, 0.75)]  # 0 and 0.5 are compare's seed-0 runs
