@@ -3,6 +3,9 @@
     python bench.py --backbones DiT-S/2 DiT-B/2 --batch-sizes 8 --out docs/perf/cpu.json
     python bench.py --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile   # one GPU
 
+Sections (`--sections`): training (above), sampling (EDM Heun images/s and network evaluations per
+image, unguided / CFG / CFG inside a guidance interval) and evaluator (Inception images/s).
+
 For every backbone x batch size x {dit, tread} it times full training steps (EDM loss forward,
 backward, AdamW step), and reports images/s, peak memory, the training-step FLOPs
 (torch.utils.flop_counter), model-FLOP utilisation against a matmul ceiling measured on the same
@@ -107,6 +110,58 @@ def bench_training(args, device, dtype, ceiling):
     return rows
 
 
+GUIDANCE = {"unguided": None, "cfg": dict(scale=1.5), "cfg+interval": dict(scale=1.5, interval=(0.28, 5.42))}
+
+
+@torch.no_grad()
+def bench_sampling(args, device, dtype):
+    """Images/s and backbone evaluations per image of EDM Heun sampling, unguided and with CFG."""
+    from edm import edm_sampler
+    from edm.guidance import ClassifierFreeGuidance, NFECounter
+
+    rows = []
+    for backbone in args.backbones:
+        torch.manual_seed(0)
+        model = get_model(backbone, model_params(backbone, True)).to(device).eval()
+        counter = NFECounter(EDMPrecond(model))
+        x = torch.randn(args.sample_batch, 4, 32, 32, device=device)
+        y = torch.randint(0, 1000, (args.sample_batch,), device=device)
+        for name, guide in GUIDANCE.items():
+            net = counter if guide is None else ClassifierFreeGuidance(counter, guide["scale"], 1000,
+                                                                       interval=guide.get("interval"))
+            counter.num_rows = 0
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                edm_sampler(net, x, y, num_steps=args.sample_steps)
+            sync(device)
+            sec = time.perf_counter() - t0
+            rows.append(dict(backbone=backbone, guidance=name, batch=args.sample_batch, num_steps=args.sample_steps,
+                             images_per_s=args.sample_batch / sec, nfe_per_image=counter.num_rows / args.sample_batch))
+            print(f"sampling {backbone} {name}: {rows[-1]['images_per_s']:.3f} images/s, "
+                  f"{rows[-1]['nfe_per_image']:.0f} NFE/image", flush=True)
+    return rows
+
+
+@torch.no_grad()
+def bench_evaluator(args, device):
+    """Inception feature extraction (the evaluator's cost per image), a randomly initialised network of the
+    exact FID Inception shape on 256x256 uint8 images."""
+    from evaluations.inception import load_inception
+
+    net = load_inception(device=device, random_init=True)
+    images = torch.randint(0, 256, (args.eval_batch, 256, 256, 3), dtype=torch.uint8, device=device)
+    net(images[:2])
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.eval_batches):
+        net(images)
+    sync(device)
+    rate = args.eval_batch * args.eval_batches / (time.perf_counter() - t0)
+    print(f"evaluator: {rate:.1f} images/s (Inception features, batch {args.eval_batch})", flush=True)
+    return [dict(batch=args.eval_batch, images_per_s=rate)]
+
+
 def markdown_table(rows, device_name, dtype_name, ceiling):
     lines = [f"Device: {device_name}, {dtype_name}, matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (measured).", "",
              "| backbone | batch | model | step (ms) | images/s | peak mem (MB) | GFLOP/step | MFU | speed-up | "
@@ -130,6 +185,12 @@ def main():
     parser.add_argument("--device", default="auto")
     parser.add_argument("--compile", action="store_true", help="torch.compile the backbone")
     parser.add_argument("--out", type=Path, default=None, help="write rows as JSON here (and a .md beside it)")
+    parser.add_argument("--sections", nargs="+", default=["training", "sampling", "evaluator"],
+                        choices=["training", "sampling", "evaluator"])
+    parser.add_argument("--sample-batch", type=int, default=8)
+    parser.add_argument("--sample-steps", type=int, default=40, help="EDM Heun steps (NFE 2N-1 unguided)")
+    parser.add_argument("--eval-batch", type=int, default=64)
+    parser.add_argument("--eval-batches", type=int, default=2)
     args = parser.parse_args()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
@@ -140,13 +201,23 @@ def main():
         f"CPU ({torch.get_num_threads()} threads)"
     ceiling = matmul_ceiling(device, dtype)
     print(f"{device_name}: matmul ceiling {ceiling / 1e12:.3f} TFLOP/s ({args.dtype})", flush=True)
-    rows = bench_training(args, device, dtype, ceiling)
-    table = markdown_table(rows, device_name, args.dtype, ceiling)
+    result = dict(device=device_name, dtype=args.dtype, matmul_ceiling=ceiling, torch=torch.__version__)
+    table = ""
+    if "training" in args.sections:
+        result["training"] = bench_training(args, device, dtype, ceiling)
+        table = markdown_table(result["training"], device_name, args.dtype, ceiling)
+    if "sampling" in args.sections:
+        result["sampling"] = bench_sampling(args, device, dtype)
+        table += "\n\n| backbone | guidance | batch | Heun steps | images/s | NFE/image |\n|---|---|---|---|---|---|\n"
+        table += "\n".join(f"| {r['backbone']} | {r['guidance']} | {r['batch']} | {r['num_steps']} | "
+                           f"{r['images_per_s']:.3f} | {r['nfe_per_image']:.0f} |" for r in result["sampling"])
+    if "evaluator" in args.sections:
+        result["evaluator"] = bench_evaluator(args, device)
+        table += f"\n\nEvaluator (Inception features): {result['evaluator'][0]['images_per_s']:.1f} images/s"
     print(table)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(device=device_name, dtype=args.dtype, matmul_ceiling=ceiling,
-                                            torch=torch.__version__, training=rows), indent=2))
+        args.out.write_text(json.dumps(result, indent=2))
         args.out.with_suffix(".md").write_text(table + "\n")
 
 
