@@ -8,6 +8,7 @@ RNG states; the data position is the step). SIGTERM/SIGINT save a checkpoint bef
 """
 import copy
 import math
+import os
 import signal
 import sys
 import time
@@ -47,6 +48,13 @@ def check_config(cfg, world_size: int):
             raise UserError(f"train.{key} must be a positive number of steps, got {cfg.train[key]}")
     if cfg.train.logging.log_interval <= 0:
         raise UserError(f"train.logging.log_interval must be positive, got {cfg.train.logging.log_interval}")
+
+
+def set_cpu_threads(setting, local_processes: int):
+    """`accelerate launch` sets OMP_NUM_THREADS=1 unless told otherwise; on a CPU run, `auto` gives each
+    local process its share of the cores instead."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, local_processes)) if setting == "auto" else int(setting)
+    torch.set_num_threads(threads)
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool):
@@ -106,6 +114,8 @@ def training_loop(cfg: DictConfig):
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
     check_config(cfg, world)
+    if device.type == "cpu":
+        set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
     ckpt_dir = run_dir / "checkpoints"
 
@@ -291,7 +301,6 @@ def job_run_name(cfg) -> str:
 def write_status(cfg, status: str, **info):
     """status.json in the run directory: running / completed / stopped / failed (read by report.py)."""
     import json
-    import os
 
     if int(os.environ.get("RANK", 0)) != 0:
         return
