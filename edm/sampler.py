@@ -382,6 +382,15 @@ SAMPLERS = {
 }
 
 
+def _register_flow_sampler():
+    from flow.sampler import flow_sampler  # diffuser=rf: Euler/Heun on the velocity ODE
+
+    SAMPLERS["flow"] = flow_sampler
+
+
+_register_flow_sampler()
+
+
 def sampler_from_config(name: str, **kwargs) -> Callable:
     """The sampler `name` ('edm' / 'heun', 'euler', 'ablation') with its settings bound.
 
