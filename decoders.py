@@ -36,12 +36,9 @@ class IdentityDecoder:
     """
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        if latents.ndim != 4 or latents.shape[1] not in (1, 3):
-            raise ValueError(f"IdentityDecoder expects [N, 1 or 3, H, W] latents, got {tuple(latents.shape)}")
-        x = ((latents.detach().float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
-        if x.shape[1] == 1:
-            x = x.expand(-1, 3, -1, -1)
-        return x.permute(0, 2, 3, 1).contiguous()
+        from evaluations.features import latents_to_uint8  # one conversion for decoding and evaluation
+
+        return latents_to_uint8(latents.detach().cpu())
 
     __call__ = decode
 
