@@ -59,9 +59,11 @@ class SSMBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, x, c):
+        from dit import modulate  # dit.py imports this module lazily, so no import cycle at load time
+
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
-        h = self.norm1(x) * (1 + scale1.unsqueeze(1)) + shift1.unsqueeze(1)
+        h = modulate(self.norm1(x), shift1, scale1)
         u, z = self.in_proj(h).chunk(2, dim=-1)
         x = x + gate1.unsqueeze(1) * self.out_proj(self.ssm(u) * F.silu(z))
-        h = self.norm2(x) * (1 + scale2.unsqueeze(1)) + shift2.unsqueeze(1)
+        h = modulate(self.norm2(x), shift2, scale2)
         return x + gate2.unsqueeze(1) * self.mlp(h)
