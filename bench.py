@@ -1,18 +1,27 @@
 """Benchmarks: training-step time of DiT against TREAD, measured against the FLOP-count bound.
 
-    python bench.py --backbones DiT-S/2 DiT-B/2 --batch-sizes 8 --out docs/perf/cpu.json
-    python bench.py --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile   # one GPU
+    python bench.py --backbones DiT-S/2 DiT-B/2 --batch-sizes 8 --compile both --paper-code ../tread \
+        --out docs/perf/cpu.json
+    python bench.py --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile --sections training  # one GPU
+    python bench.py --backbones DiT-B/2 --dtype bf16 --sections fid suite   # FID-5K, ADM suite on 50K
 
-Sections (`--sections`): training (above), sampling (EDM Heun images/s and network evaluations per
-image, unguided / CFG / CFG inside a guidance interval) and evaluator (Inception images/s).
+Sections (`--sections`): training (below); sampling (EDM Heun images/s and network evaluations per
+image, unguided / CFG / CFG inside a guidance interval); evaluator (Inception images/s); suite (the
+ADM evaluator end to end on 50K samples, with its peak host memory) and fid (in-training FID on 5K
+samples, stage by stage), both in bench_eval.py.
 
 For every backbone x batch size x {dit, tread} it times full training steps (EDM loss forward,
 backward, AdamW step), and reports images/s, peak memory, the training-step FLOPs
 (torch.utils.flop_counter), model-FLOP utilisation against a matmul ceiling measured on the same
 device in the same run, and for TREAD the measured speed-up next to the FLOP bound.
 The route is 2 -> depth-4 at ratio 0.5 (2 -> 8 for 12 blocks, 2 -> 24 for DiT-XL).
+With `--paper-code DIR` (a clone of github.com/CompVis/tread, never copied here) the paper's own DiT
+is timed in the same run on the same model, batch and data, after checking that it computes our
+function (paper_code.py); all variants of a step run round-robin so load and clock drift fall alike.
 """
 import argparse
+import contextlib
+import functools
 import json
 import resource
 import statistics
@@ -21,17 +30,15 @@ from pathlib import Path
 
 import torch
 
-from dit import get_model
+from bench_eval import IMAGENET_LATENT, bench_evaluator, bench_suite, bench_training_fid, sync
+from dit import DiT_models, get_model
 from edm import EDMLoss, EDMPrecond
+from errors import UserError, report_user_errors
 from flops import training_step_flops
+from optimizer import build_adamw
+from paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
 
-IMAGENET_LATENT = dict(num_classes=1000, in_channels=4, input_size=32)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def matmul_ceiling(device, dtype, size=None, iters=10) -> float:
@@ -60,53 +67,121 @@ def model_params(backbone, routed, ratio=0.5):
     return dict(IMAGENET_LATENT, enable_routing=routed, routes=routes)
 
 
-def time_training_step(backbone, batch, routed, device, dtype, steps, warmup, compile_model=False):
-    """Median seconds per training step over `steps` timed steps."""
-    torch.manual_seed(0)
-    model = get_model(backbone, model_params(backbone, routed)).to(device).train()
-    net = EDMPrecond(model)
-    if compile_model:
-        net.model = torch.compile(model)
-    loss_fn = EDMLoss()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+def training_step(model, batch, device, dtype, context=contextlib.nullcontext):
+    """A closure running one full training step of `model` (EDM loss, backward, AdamW) on fixed data."""
+    net, loss_fn = EDMPrecond(model), EDMLoss()
+    optimizer = build_adamw([p for p in model.parameters() if p.requires_grad], device)
     x = torch.randn(batch, 4, 32, 32, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for i in range(warmup + steps):
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = loss_fn(net, x, y).mean()
-        loss.backward()
+
+    def step():
+        with context():
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = loss_fn(net, x, y).mean()
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_interleaved(steps_by_name, steps, warmup, device):
+    """Median seconds per step of each closure. Steps run round-robin (one of each in turn), so clock
+    drift and background load fall on every variant alike; peak memory is per variant on CUDA."""
+    times = {name: [] for name in steps_by_name}
+    peaks = {}
+    for name, step in steps_by_name.items():  # warm-up (and compilation) before any timing
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(warmup):
+            step()
         sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), peak_memory_mb(device)
+        peaks[name] = peak_memory_mb(device)
+    for _ in range(steps):
+        for name, step in steps_by_name.items():
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}, peaks
 
 
-def bench_training(args, device, dtype, ceiling):
+def our_model(backbone, routed, device, mode):
+    torch.manual_seed(0)
+    model = get_model(backbone, model_params(backbone, routed)).to(device).train()
+    return torch.compile(model) if mode == "compiled" else model
+
+
+def paper_model(paper_dit, backbone, routed, device):
+    """The paper's DiT holding our initial weights (their pos_embed is computed identically)."""
+    ours = our_model(backbone, routed, "cpu", "eager")
+    theirs = build_paper_model(paper_dit, backbone, DiT_models[backbone]["depth"], routed, **IMAGENET_LATENT)
+    load_our_weights(theirs, ours)
+    return theirs.to(device).train()
+
+
+@torch.no_grad()
+def paper_output_difference(paper_dit, backbone):
+    """Max |ours - theirs| of one inference forward with equal (perturbed, so non-trivial) weights: the
+    comparison is only meaningful if both compute the same function."""
+    torch.manual_seed(0)
+    ours = get_model(backbone, model_params(backbone, False)).eval()
+    for p in ours.parameters():
+        p.add_(0.02 * torch.randn_like(p))
+    theirs = build_paper_model(paper_dit, backbone, DiT_models[backbone]["depth"], False, **IMAGENET_LATENT).eval()
+    load_our_weights(theirs, ours)
+    x, t, y = torch.randn(2, 4, 32, 32), torch.randn(2), torch.tensor([0, 999])
+    with eager_context(True):
+        return (ours(x, t, y) - theirs(x, t, y)).abs().max().item()
+
+
+def training_variants(args):
+    """(code, mode) pairs to time: ours eager and/or compiled, the paper's as published and/or eager."""
+    ours = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}[args.compile]
+    return [("ours", m) for m in ours] + [("paper", m) for m in (args.paper_modes if args.paper_code else [])]
+
+
+def bench_training(args, device, dtype, ceiling, paper_dit=None):
     rows = []
     for backbone in args.backbones:
+        paper_diff = paper_output_difference(paper_dit, backbone) if paper_dit else None
+        if paper_dit:
+            print(f"{backbone}: paper code vs ours, max |output difference| {paper_diff:.2e}", flush=True)
         for batch in args.batch_sizes:
             flops = {routed: training_step_flops(backbone, model_params(backbone, routed), batch, routing=routed)
                      for routed in (False, True)}
-            result = {}
+            sec = {}
             for routed in (False, True):
-                sec, mem = time_training_step(backbone, batch, routed, device, dtype, args.steps, args.warmup,
-                                              args.compile)
-                result[routed] = sec
-                rows.append(dict(backbone=backbone, batch=batch, model="tread" if routed else "dit",
-                                 step_s=sec, images_per_s=batch / sec, peak_mem_mb=mem,
-                                 flops_per_step=flops[routed], mfu=flops[routed] / sec / ceiling))
+                steps = {}
+                for code, mode in training_variants(args):
+                    if code == "ours":
+                        model, context = our_model(backbone, routed, device, mode), contextlib.nullcontext
+                    else:
+                        model = paper_model(paper_dit, backbone, routed, device)
+                        context = functools.partial(eager_context, mode == "eager")
+                    steps[code, mode] = training_step(model, batch, device, dtype, context)
+                medians, peaks = time_interleaved(steps, args.steps, args.warmup, device)
+                del steps
+                for (code, mode), s in medians.items():
+                    sec[code, mode, routed] = s
+                    rows.append(dict(backbone=backbone, batch=batch, code=code, mode=mode,
+                                     model="tread" if routed else "dit", step_s=s, images_per_s=batch / s,
+                                     peak_mem_mb=peaks[code, mode], flops_per_step=flops[routed],
+                                     mfu=flops[routed] / s / ceiling))
+                    if code == "paper":
+                        rows[-1]["max_abs_output_difference"] = paper_diff
             bound = flops[False] / flops[True]
-            measured = result[False] / result[True]
-            rows[-1].update(flop_bound=bound, speedup=measured, speedup_vs_bound=measured / bound)
-            print(f"{backbone} batch {batch}: dit {result[False] * 1e3:.1f} ms, tread {result[True] * 1e3:.1f} ms "
-                  f"-> speed-up {measured:.3f}x, FLOP bound {bound:.3f}x, ratio {measured / bound:.3f}", flush=True)
+            for row in rows:
+                if row["backbone"] == backbone and row["batch"] == batch and row["model"] == "tread":
+                    measured = sec[row["code"], row["mode"], False] / row["step_s"]
+                    row.update(flop_bound=bound, speedup=measured, speedup_vs_bound=measured / bound)
+                    print(f"{backbone} batch {batch} {row['code']} {row['mode']}: dit "
+                          f"{sec[row['code'], row['mode'], False] * 1e3:.1f} ms, tread {row['step_s'] * 1e3:.1f} ms"
+                          f" -> speed-up {measured:.3f}x, FLOP bound {bound:.3f}x, ratio {measured / bound:.3f}",
+                          flush=True)
+    order = {v: i for i, v in enumerate(training_variants(args))}
+    rows.sort(key=lambda r: (args.backbones.index(r["backbone"]), r["batch"], order[r["code"], r["mode"]]))
     return rows
 
 
@@ -143,55 +218,115 @@ def bench_sampling(args, device, dtype):
     return rows
 
 
-@torch.no_grad()
-def bench_evaluator(args, device):
-    """Inception feature extraction (the evaluator's cost per image), a randomly initialised network of the
-    exact FID Inception shape on 256x256 uint8 images."""
-    from evaluations.inception import load_inception
-
-    net = load_inception(device=device, random_init=True)
-    images = torch.randint(0, 256, (args.eval_batch, 256, 256, 3), dtype=torch.uint8, device=device)
-    net(images[:2])
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(args.eval_batches):
-        net(images)
-    sync(device)
-    rate = args.eval_batch * args.eval_batches / (time.perf_counter() - t0)
-    print(f"evaluator: {rate:.1f} images/s (Inception features, batch {args.eval_batch})", flush=True)
-    return [dict(batch=args.eval_batch, images_per_s=rate)]
-
-
 def markdown_table(rows, device_name, dtype_name, ceiling):
-    lines = [f"Device: {device_name}, {dtype_name}, matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (measured).", "",
-             "| backbone | batch | model | step (ms) | images/s | peak mem (MB) | GFLOP/step | MFU | speed-up | "
-             "FLOP bound | speed-up / bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    memory = ("peak memory per variant" if "CPU" not in device_name else
+              "peak memory is the process's peak RSS so far, not per variant")
+    lines = [f"Device: {device_name}, {dtype_name}, matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (measured); {memory}.",
+             "",
+             "| backbone | batch | code | mode | model | step (ms) | images/s | peak mem (MB) | GFLOP/step | MFU | "
+             "speed-up | FLOP bound | speed-up / bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         extra = (f"{r['speedup']:.3f}x | {r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f}" if "speedup" in r
                  else " | | ")
-        lines.append(f"| {r['backbone']} | {r['batch']} | {r['model']} | {r['step_s'] * 1e3:.1f} | "
-                     f"{r['images_per_s']:.1f} | {r['peak_mem_mb']:.0f} | {r['flops_per_step'] / 1e9:.1f} | "
-                     f"{r['mfu']:.1%} | {extra} |")
-    return "\n".join(lines)
+        lines.append(f"| {r['backbone']} | {r['batch']} | {r['code']} | {r['mode']} | {r['model']} | "
+                     f"{r['step_s'] * 1e3:.1f} | {r['images_per_s']:.1f} | {r['peak_mem_mb']:.0f} | "
+                     f"{r['flops_per_step'] / 1e9:.1f} | {r['mfu']:.1%} | {extra} |")
+    return "\n".join(lines) + paper_comparison_table(rows)
 
 
-def main():
+def paper_comparison_table(rows):
+    """Our fastest step against the paper code's fastest, per backbone x batch x model (> 1: ours faster)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["backbone"], r["batch"], r["model"]), {}).setdefault(r["code"], []).append(r)
+    lines = []
+    for (backbone, batch, model), by_code in groups.items():
+        if "paper" not in by_code or "ours" not in by_code:
+            continue
+        ours, paper = (min(by_code[c], key=lambda r: r["step_s"]) for c in ("ours", "paper"))
+        lines.append(f"| {backbone} | {batch} | {model} | {ours['step_s'] * 1e3:.1f} ({ours['mode']}) | "
+                     f"{paper['step_s'] * 1e3:.1f} ({paper['mode']}) | {paper['step_s'] / ours['step_s']:.2f}x | "
+                     f"{paper['max_abs_output_difference']:.1e} |")
+    if not lines:
+        return ""
+    return ("\n\nSame run, same model, batch and data: our fastest step against the paper code's fastest "
+            "(> 1x: ours is faster).\n\n| backbone | batch | model | ours (ms) | paper code (ms) | paper / ours | "
+            "max abs output difference |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines))
+
+
+def sampling_table(rows):
+    return ("| backbone | guidance | batch | Heun steps | images/s | NFE/image |\n|---|---|---|---|---|---|\n" +
+            "\n".join(f"| {r['backbone']} | {r['guidance']} | {r['batch']} | {r['num_steps']} | "
+                      f"{r['images_per_s']:.3f} | {r['nfe_per_image']:.0f} |" for r in rows))
+
+
+def suite_table(rows):
+    return ("ADM suite (`python -m evaluations.evaluator`, one process, start-up included):\n\n"
+            "| samples | reference images | batch | seconds | images/s | peak host memory (MB) |\n"
+            "|---|---|---|---|---|---|\n" +
+            "\n".join(f"| {r['samples']} | {r['reference']} | {r['batch']} | {r['seconds']:.1f} | "
+                      f"{r['images_per_s']:.1f} | {r['peak_host_mb']:.0f} |" for r in rows))
+
+
+def training_fid_table(rows):
+    return ("In-training FID (EDM Heun, unguided; SD-VAE decoding; Inception; Frechet distance):\n\n"
+            "| backbone | samples | Heun steps | total (s) | sampling (s) | decoding (s) | Inception (s) | FID (s) |\n"
+            "|---|---|---|---|---|---|---|---|\n" +
+            "\n".join(f"| {r['backbone']} | {r['samples']} | {r['heun_steps']} | {r['seconds']:.1f} | "
+                      f"{r['sampling_s']:.1f} | {r['decoding_s']:.1f} | {r['features_s']:.1f} | {r['fid_s']:.1f} |"
+                      for r in rows))
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backbones", nargs="+", default=["DiT-S/2", "DiT-B/2"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[8])
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the backbone")
-    parser.add_argument("--out", type=Path, default=None, help="write rows as JSON here (and a .md beside it)")
+    parser.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+                        help="torch.compile our backbone (`--compile` = on; `both` times eager and compiled)")
+    parser.add_argument("--paper-code", type=Path, default=None,
+                        help="folder of a clone of github.com/CompVis/tread: time the paper's DiT in the same run")
+    parser.add_argument("--paper-modes", nargs="+", default=["published", "eager"], choices=["published", "eager"],
+                        help="the paper's blocks with their @torch.compile (published) and/or run eagerly")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write results as JSON here (and a .md beside it), rewritten after every section")
     parser.add_argument("--sections", nargs="+", default=["training", "sampling", "evaluator"],
-                        choices=["training", "sampling", "evaluator"])
+                        choices=["training", "sampling", "evaluator", "suite", "fid"])
     parser.add_argument("--sample-batch", type=int, default=8)
     parser.add_argument("--sample-steps", type=int, default=40, help="EDM Heun steps (NFE 2N-1 unguided)")
     parser.add_argument("--eval-batch", type=int, default=64)
     parser.add_argument("--eval-batches", type=int, default=2)
+    parser.add_argument("--suite-samples", type=int, default=50_000, help="suite: sample images")
+    parser.add_argument("--suite-ref", type=int, default=10_000, help="suite: reference images (ADM's: 10,000)")
+    parser.add_argument("--suite-batch", type=int, default=250, help="suite: evaluator --batch-size")
+    parser.add_argument("--tmp-dir", default=None, help="suite: where the random batches are written")
+    parser.add_argument("--fid-samples", type=int, default=5_000, help="fid: samples (train.eval default)")
+    parser.add_argument("--fid-steps", type=int, default=40, help="fid: EDM Heun steps")
+    parser.add_argument("--fid-batch", type=int, default=256, help="fid: sampling / decoding / Inception batch")
+    parser.add_argument("--vae", default="random",
+                        help="fid: 'random' (the SD-VAE architecture, random weights) or a diffusers repo id / folder")
     args = parser.parse_args()
+    unknown = [b for b in args.backbones if b not in DiT_models]
+    if unknown:
+        raise UserError(f"unknown backbone(s) {', '.join(unknown)}; choose from {', '.join(DiT_models)}")
+    counts = ("batch_sizes", "steps", "sample_batch", "eval_batch", "suite_batch", "fid_samples", "fid_steps",
+              "fid_batch")
+    for name in counts:
+        value = getattr(args, name)
+        if min(value if isinstance(value, list) else [value]) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if min(args.suite_samples, args.suite_ref) < 4:
+        raise UserError("--suite-samples and --suite-ref must be >= 4 (precision/recall needs k + 1 = 4 images)")
+    return args
+
+
+@report_user_errors
+def main():
+    args = parse_args()
+    paper_dit = load_paper_dit(args.paper_code) if args.paper_code else None
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = DTYPES[args.dtype]
@@ -202,23 +337,25 @@ def main():
     ceiling = matmul_ceiling(device, dtype)
     print(f"{device_name}: matmul ceiling {ceiling / 1e12:.3f} TFLOP/s ({args.dtype})", flush=True)
     result = dict(device=device_name, dtype=args.dtype, matmul_ceiling=ceiling, torch=torch.__version__)
-    table = ""
-    if "training" in args.sections:
-        result["training"] = bench_training(args, device, dtype, ceiling)
-        table = markdown_table(result["training"], device_name, args.dtype, ceiling)
-    if "sampling" in args.sections:
-        result["sampling"] = bench_sampling(args, device, dtype)
-        table += "\n\n| backbone | guidance | batch | Heun steps | images/s | NFE/image |\n|---|---|---|---|---|---|\n"
-        table += "\n".join(f"| {r['backbone']} | {r['guidance']} | {r['batch']} | {r['num_steps']} | "
-                           f"{r['images_per_s']:.3f} | {r['nfe_per_image']:.0f} |" for r in result["sampling"])
-    if "evaluator" in args.sections:
-        result["evaluator"] = bench_evaluator(args, device)
-        table += f"\n\nEvaluator (Inception features): {result['evaluator'][0]['images_per_s']:.1f} images/s"
-    print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        args.out.with_suffix(".md").write_text(table + "\n")
+    sections = {
+        "training": (lambda: bench_training(args, device, dtype, ceiling, paper_dit),
+                     lambda rows: markdown_table(rows, device_name, args.dtype, ceiling)),
+        "sampling": (lambda: bench_sampling(args, device, dtype), sampling_table),
+        "evaluator": (lambda: bench_evaluator(args, device),
+                      lambda rows: f"Evaluator (Inception features): {rows[0]['images_per_s']:.1f} images/s"),
+        "suite": (lambda: bench_suite(args, device), suite_table),
+        "fid": (lambda: bench_training_fid(args, device, dtype), training_fid_table),
+    }
+    tables = []
+    for name in args.sections:
+        run, table = sections[name]
+        result[name] = run()
+        tables.append(table(result[name]))
+        if args.out:  # partial results survive a later section's failure or a lost machine
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+            args.out.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
+    print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ class FinalLayer(nn.Module):
 
 
 def sincos_pos_embed_2d(embed_dim, grid_size):
-    """Fixed 2-D sine-cosine position embedding [grid_size**2, embed_dim] (half the dims per axis)."""
+    """Fixed 2-D sine-cosine position embedding [grid_size**2, embed_dim] (half the dims per axis).
+    The first half encodes the column index, as in DiT/MAE, so DiT-family weights transfer unchanged."""
 
     def axis_embed(dim, pos):
         omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
@@ -109,7 +110,7 @@ def sincos_pos_embed_2d(embed_dim, grid_size):
         return np.concatenate([np.sin(out), np.cos(out)], axis=1)
 
     grid_w, grid_h = np.meshgrid(np.arange(grid_size, dtype=np.float64), np.arange(grid_size, dtype=np.float64))
-    emb = np.concatenate([axis_embed(embed_dim // 2, grid_h), axis_embed(embed_dim // 2, grid_w)], axis=1)
+    emb = np.concatenate([axis_embed(embed_dim // 2, grid_w), axis_embed(embed_dim // 2, grid_h)], axis=1)
     return torch.from_numpy(emb).float()
 
 

@@ -30,6 +30,7 @@ from errors import UserError, exit_with, one_line
 from flops import format_report, routing_flop_report
 from metrics_log import MetricsLogger
 from objectives import build_denoiser, build_objective
+from optimizer import build_adamw
 
 
 @torch.no_grad()
@@ -129,8 +130,8 @@ def training_loop(cfg: DictConfig):
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     net, loss_fn = build_objective(cfg.diffuser, model)
     o = cfg.train.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=device.type == "cuda")
+    optimizer = build_adamw(model.parameters(), device, lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay)
     step = 0
     if state is not None:
         source = found[-1][1]

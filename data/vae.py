@@ -89,6 +89,20 @@ def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float
     return vae.to(device)
 
 
+# The architecture of stabilityai/sd-vae-ft-ema (its config.json), for benchmarks without the weights.
+SD_VAE_ARCHITECTURE = dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, norm_num_groups=32,
+                           block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                           up_block_types=("UpDecoderBlock2D",) * 4, act_fn="silu", sample_size=256)
+
+
+def random_sd_vae(device="cpu", seed=0):
+    """The SD-VAE's exact architecture with seeded random weights: its speed, none of its images."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(**SD_VAE_ARCHITECTURE).eval().requires_grad_(False).to(device)
+
+
 def vae_downsample_factor(vae) -> int:
     return 2 ** (len(vae.config.block_out_channels) - 1)
 

@@ -131,7 +131,9 @@ def _block(features, start: int, stop: int, device) -> torch.Tensor:
 def pairwise_sq_distances(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """ADM's distance block: max(|u|^2 - 2 u.v + |v|^2, 0), computed in float16 (inputs and every
     intermediate rounded to float16, products accumulated in float32 like a GPU half GEMM); if any
-    value is not finite, the block is recomputed in float32. Returns float32 [len(u), len(v)]."""
+    value is not finite, the block is recomputed in float32. Returns [len(u), len(v)]: the float16 block
+    itself when finite (ADM casts it to float32, which is exact, so comparisons and top-k agree while
+    the block takes half the memory), else the float32 recomputation."""
     u16, v16 = u.to(torch.float16), v.to(torch.float16)
     uf, vf = u16.float(), v16.float()
     norm_u = uf.square().half().float().sum(1).half()
@@ -142,7 +144,7 @@ def pairwise_sq_distances(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     dist.mul_(-2).add_(norm_u[:, None]).add_(norm_v[None, :])
     # amax/amin catch +-inf and propagate NaN (and are much faster than isfinite on CPU halves)
     if bool(torch.isfinite(torch.stack([dist.amax(), dist.amin()]).float()).all()):
-        return torch.empty(dist.shape, dtype=torch.float32, device=dist.device).copy_(dist.clamp_(min=0))
+        return dist.clamp_(min=0)
     del dist
     norm_u = u.square().sum(1)
     norm_v = v.square().sum(1)
@@ -178,7 +180,7 @@ def manifold_radii(features, k: int = 3, row_batch_size: int = ROW_BATCH, col_ba
             del dist
             best = smallest if best is None else torch.cat([best, smallest], dim=1)
             best = torch.topk(best, min(k + 1, best.shape[1]), dim=1, largest=False).values
-        radii[r0:r0 + len(rows)] = best[:, k]
+        radii[r0:r0 + len(rows)] = best[:, k].float()
     return radii
 
 

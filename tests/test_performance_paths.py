@@ -1,5 +1,5 @@
 """The fast paths keep results and do not recompile: torch.compile with routing, activation
-checkpointing, the foreach EMA update."""
+checkpointing, the foreach EMA update, the fused AdamW."""
 import torch
 from torch._dynamo.utils import counters
 
@@ -52,3 +52,21 @@ def test_foreach_ema_matches_the_formula():
     update_ema(ema, params, 0.99)
     for a, b in zip(ema, expect):
         assert torch.allclose(a, b, atol=1e-7)
+
+
+def test_training_optimizer_is_fused_and_matches_the_reference_adamw():
+    from optimizer import build_adamw, fused_adamw_available
+
+    a, b = tiny(), tiny()
+    opt_fast = build_adamw(a.parameters(), "cpu", lr=1e-3, weight_decay=0.01)
+    opt_ref = torch.optim.AdamW(b.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    assert opt_fast.defaults["fused"] == fused_adamw_available("cpu")
+    for step in range(3):
+        for model in (a, b):
+            torch.manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+        opt_fast.step()
+        opt_ref.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)

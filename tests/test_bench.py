@@ -1,0 +1,106 @@
+"""bench.py's same-run comparison with the paper's code, against a stand-in for their repo.
+
+The stand-in has their repo's shape: dit.py importing `Router` from its own routing_module.py (a
+name this repo also uses), a `DiT_models` registry, a DiT whose forward calls
+`router.get_mask(x, mask_ratio=...)` and a Router whose get_mask only takes `selection_rate`, the
+mismatch of the published files."""
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import assert_one_line_error, run_script
+from dit import get_model  # imported before the stand-in, as in bench.py (the stand-in builds on it)
+from errors import UserError
+from paper_code import build_paper_model, load_our_weights, load_paper_dit
+
+ROUTING = """
+    CALLS = []
+
+    class Router:
+        def get_mask(self, x, selection_rate=0.0):
+            CALLS.append(selection_rate)
+            return selection_rate
+"""
+
+DIT = """
+    import dit as ours
+    from routing_module import CALLS, Router
+
+    class DiT(ours.DiT):
+        def __init__(self, enable_routing=False, routes=None, **kwargs):
+            super().__init__(enable_routing=enable_routing, routes=routes, **kwargs)
+            self.paper_router = Router()  # their attribute is `router`; ours is taken by our TokenRouter
+            self.paper_routes, self.paper_routing = routes, enable_routing
+
+        def forward(self, x, t, y, **kwargs):
+            if self.training and self.paper_routing:
+                self.paper_router.get_mask(x, mask_ratio=self.paper_routes[0]["selection_ratio"])
+            return super().forward(x, t, y)
+
+    DiT_models = {"DiT-T/8": lambda **kw: DiT(**ours.DiT_models["DiT-T/8"], **kw)}
+"""
+
+
+@pytest.fixture
+def paper_repo(tmp_path):
+    folder = tmp_path / "tread"
+    folder.mkdir()
+    (folder / "routing_module.py").write_text(textwrap.dedent(ROUTING))
+    (folder / "dit.py").write_text(textwrap.dedent(DIT))
+    return folder
+
+
+def test_paper_code_loads_beside_ours_and_accepts_mask_ratio(paper_repo):
+    import routing_module
+
+    paper = load_paper_dit(paper_repo)
+    assert sys.modules["routing_module"] is routing_module  # ours is back in place
+    model = build_paper_model(paper, "DiT-T/8", 12, routed=True, num_classes=10, in_channels=4, input_size=32)
+    assert model.paper_routes == [dict(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=8)]
+    model.train()(torch.randn(2, 4, 32, 32), torch.zeros(2), torch.zeros(2, dtype=torch.long))
+    assert sys.modules["tread_paper_routing_module"].CALLS == [0.5]  # mask_ratio arrived as selection_rate
+
+
+def test_paper_code_weight_names_are_checked(paper_repo):
+    paper = load_paper_dit(paper_repo)
+    theirs = build_paper_model(paper, "DiT-T/8", 12, routed=False, num_classes=10, in_channels=4, input_size=32)
+    load_our_weights(theirs, get_model("DiT-T/8", dict(num_classes=10, in_channels=4, input_size=32)))
+    with pytest.raises(UserError, match="parameters differ from ours"):
+        load_our_weights(theirs, get_model("DiT-T/4", dict(num_classes=10, in_channels=4, input_size=32)))
+    with pytest.raises(UserError, match="parameter names differ from ours"):
+        load_our_weights(theirs, get_model("DiT-T/8", dict(num_classes=10, in_channels=4, input_size=32, depth=2)))
+
+
+def test_bench_times_ours_and_the_paper_code_in_one_run(paper_repo, tmp_path):
+    out = tmp_path / "bench.json"
+    run_script("bench.py", "--backbones", "DiT-T/8", "--batch-sizes", "2", "--steps", "2", "--warmup", "1",
+               "--sections", "training", "--paper-code", paper_repo, "--out", out, check=True)
+    rows = json.loads(out.read_text())["training"]
+    variants = [(r["code"], r["mode"], r["model"]) for r in rows]
+    assert variants == [(code, mode, model) for code, mode in
+                        [("ours", "eager"), ("paper", "published"), ("paper", "eager")] for model in ("dit", "tread")]
+    for r in rows:
+        assert r["step_s"] > 0 and r["flops_per_step"] > 0
+        if r["code"] == "paper":
+            assert r["max_abs_output_difference"] == 0.0  # the stand-in computes our exact function
+    assert all("speedup" in r for r in rows if r["model"] == "tread")
+    table = out.with_suffix(".md").read_text()
+    assert "| DiT-T/8 | 2 | tread |" in table and "paper / ours" in table
+
+
+@pytest.mark.parametrize("make_bad, needle", [
+    (lambda p: p / "missing", "no dit.py"),
+    (lambda p: (p / "routing_module.py").unlink() or p, "no routing_module.py"),
+    (lambda p: (p / "dit.py").write_text("import not_a_module\n") and p, "importing"),
+])
+def test_bench_rejects_a_bad_paper_code_folder(paper_repo, make_bad, needle):
+    proc = run_script("bench.py", "--backbones", "DiT-T/8", "--sections", "training",
+                      "--paper-code", make_bad(paper_repo))
+    assert_one_line_error(proc, needle)
+
+
+def test_bench_rejects_an_unknown_backbone():
+    assert_one_line_error(run_script("bench.py", "--backbones", "DiT-Q/2"), "unknown backbone")
