@@ -254,27 +254,31 @@ def paper_comparison_table(rows):
             "max abs output difference |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines))
 
 
+def simple_table(header, rows, cells):
+    """Markdown: the `header` names, then one line of `cells(row)` strings per row."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells(r)) + " |" for r in rows])
+
+
 def sampling_table(rows):
-    return ("| backbone | guidance | batch | Heun steps | images/s | NFE/image |\n|---|---|---|---|---|---|\n" +
-            "\n".join(f"| {r['backbone']} | {r['guidance']} | {r['batch']} | {r['num_steps']} | "
-                      f"{r['images_per_s']:.3f} | {r['nfe_per_image']:.0f} |" for r in rows))
+    return simple_table(("backbone", "guidance", "batch", "Heun steps", "images/s", "NFE/image"), rows, lambda r: (
+        r["backbone"], r["guidance"], str(r["batch"]), str(r["num_steps"]), f"{r['images_per_s']:.3f}",
+        f"{r['nfe_per_image']:.0f}"))
 
 
 def suite_table(rows):
-    return ("ADM suite (`python -m evaluations.evaluator`, one process, start-up included):\n\n"
-            "| samples | reference images | batch | seconds | images/s | peak host memory (MB) |\n"
-            "|---|---|---|---|---|---|\n" +
-            "\n".join(f"| {r['samples']} | {r['reference']} | {r['batch']} | {r['seconds']:.1f} | "
-                      f"{r['images_per_s']:.1f} | {r['peak_host_mb']:.0f} |" for r in rows))
+    return "ADM suite (`python -m evaluations.evaluator`, one process, start-up included):\n\n" + simple_table(
+        ("samples", "reference images", "batch", "seconds", "images/s", "peak host memory (MB)"), rows, lambda r: (
+            str(r["samples"]), str(r["reference"]), str(r["batch"]), f"{r['seconds']:.1f}",
+            f"{r['images_per_s']:.1f}", f"{r['peak_host_mb']:.0f}"))
 
 
 def training_fid_table(rows):
-    return ("In-training FID (EDM Heun, unguided; SD-VAE decoding; Inception; Frechet distance):\n\n"
-            "| backbone | samples | Heun steps | total (s) | sampling (s) | decoding (s) | Inception (s) | FID (s) |\n"
-            "|---|---|---|---|---|---|---|---|\n" +
-            "\n".join(f"| {r['backbone']} | {r['samples']} | {r['heun_steps']} | {r['seconds']:.1f} | "
-                      f"{r['sampling_s']:.1f} | {r['decoding_s']:.1f} | {r['features_s']:.1f} | {r['fid_s']:.1f} |"
-                      for r in rows))
+    return ("In-training FID (EDM Heun, unguided; SD-VAE decoding; Inception; Frechet distance):\n\n" +
+            simple_table(("backbone", "samples", "Heun steps", "total (s)", "sampling (s)", "decoding (s)",
+                          "Inception (s)", "FID (s)"), rows, lambda r: (
+                r["backbone"], str(r["samples"]), str(r["heun_steps"]),
+                *(f"{r[k]:.1f}" for k in ("seconds", "sampling_s", "decoding_s", "features_s", "fid_s")))))
 
 
 def parse_args():

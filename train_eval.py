@@ -69,7 +69,7 @@ class TrainingEvaluator:
         metrics = {}
         if self.accelerator.is_main_process:
             keys = ("pool", "spatial", "logits") if self.all_metrics else ("pool",)
-            feats = compute_features(self.extractor, images, batch_size=256, keys=keys)
+            feats = compute_features(self.extractor, images, batch_size=256, keys=keys, stats_keys=("spatial",))
             if self.all_metrics:
                 scores = metrics_from_features(feats, self.reference)
                 metrics = {"fid": scores["fid"], "sfid": scores["sfid"], "is": scores["inception_score"],

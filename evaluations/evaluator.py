@@ -123,7 +123,8 @@ def inspect_samples(path, num_samples: int | None = None):
 def metrics_from_features(sample: dict, reference: dict, split_size: int = 5000, device=None) -> dict:
     """ADM's five numbers from sample features and reference statistics.
 
-    ``sample``: {'pool', 'spatial', 'logits'} float arrays [N, D] (a missing key gives nan).
+    ``sample``: {'pool', 'spatial', 'logits'} float arrays [N, D] (a missing key gives nan); instead of
+    an array, ``'<key>_stats'``: (mu, sigma) accumulated by compute_features(stats_keys=...).
     ``reference``: {'mu', 'sigma', 'mu_s', 'sigma_s', 'pool'} (any may be missing -> nan + note).
     Returns {'inception_score', 'fid', 'sfid', 'precision', 'recall', 'notes': [str]}.
     """
@@ -138,10 +139,13 @@ def metrics_from_features(sample: dict, reference: dict, split_size: int = 5000,
         if mu_key not in reference:
             notes.append(f"{metric}: the reference has no '{mu_key}'/'{sigma_key}' and no images")
             continue
-        if feature not in sample:
+        if feature + "_stats" in sample:  # accumulated while extracting (compute_features stats_keys)
+            mu, sigma = sample[feature + "_stats"]
+        elif feature in sample:
+            mu, sigma = feature_statistics(sample[feature])
+        else:
             notes.append(f"{metric}: the feature network gives no '{feature}' features")
             continue
-        mu, sigma = feature_statistics(sample[feature])
         try:
             out[metric] = frechet_distance(mu, sigma, reference[mu_key], reference[sigma_key])
         except ValueError as e:
@@ -166,10 +170,12 @@ def reference_from_npz(ref_npz, extractor, batch_size: int = 64, progress: bool 
     ref["pool"] = info["pool_features"]
     if info["images"] is not None:
         feats = compute_features(extractor, info["images"], batch_size, progress=progress, desc="reference",
-                                 keys=("pool", "spatial"))
+                                 keys=("pool", "spatial"), stats_keys=("spatial",))
         ref["pool"] = feats["pool"]
         for mu_key, sigma_key, feature in STAT_PAIRS:
-            if mu_key not in ref and feature in feats:
+            if mu_key not in ref and feature + "_stats" in feats:
+                ref[mu_key], ref[sigma_key] = feats[feature + "_stats"]
+            elif mu_key not in ref and feature in feats:
                 ref[mu_key], ref[sigma_key] = feature_statistics(feats[feature])
     return ref
 
@@ -193,7 +199,8 @@ def evaluate(ref_npz, sample_npz, extractor, batch_size: int = 64, num_samples: 
     inspect_reference(ref_npz, getattr(extractor, "feature_dims", None))  # fail fast, before any compute
     samples = inspect_samples(sample_npz, num_samples)
     ref = reference_from_npz(ref_npz, extractor, batch_size, progress)
-    feats = compute_features(extractor, samples, batch_size, limit=num_samples, progress=progress, desc="samples")
+    feats = compute_features(extractor, samples, batch_size, limit=num_samples, progress=progress, desc="samples",
+                             stats_keys=("spatial",))
     return metrics_from_features(feats, ref, split_size=split_size, device=device)
 
 

@@ -199,18 +199,23 @@ def extractor_device(extractor) -> torch.device:
 
 
 def compute_features(extractor, images, batch_size: int = 64, limit: int | None = None, progress: bool = False,
-                     desc: str = "features", keys=FEATURE_KEYS) -> dict:
+                     desc: str = "features", keys=FEATURE_KEYS, stats_keys=()) -> dict:
     """Run ``extractor`` (uint8 NHWC batch -> dict of [B, D] tensors) over ``images``.
 
     ``images``: uint8 [N, H, W, 3] numpy array or torch tensor (any device), or an :class:`NpzImages`.
     Batches of ``batch_size`` are moved to the extractor's device. Returns ``{key: float32 numpy
-    [N, D]}`` for each of ``keys`` the extractor provides.
+    [N, D]}`` for each of ``keys`` the extractor provides, except the ``stats_keys`` among them, whose
+    features are not kept: ``{key + '_stats': (mu, sigma)}`` instead (sFID's 50,000 x 2023 features
+    would otherwise take 400 MB of host memory for two statistics).
     """
+    from evaluations.metrics import RunningStatistics
+
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = extractor_device(extractor)
     total = len(images) if limit is None else min(limit, len(images))
     out = {}
+    running = {key: RunningStatistics() for key in stats_keys}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -225,6 +230,9 @@ def compute_features(extractor, images, batch_size: int = 64, limit: int | None 
             for key in keys:
                 if key in result:
                     value = result[key].detach().float().reshape(len(batch), -1).cpu().numpy()
+                    if key in running:
+                        running[key].update(value)
+                        continue
                     if key not in out:
                         out[key] = np.empty((total, value.shape[1]), dtype=np.float32)
                     out[key][done:done + len(batch)] = value
@@ -235,4 +243,5 @@ def compute_features(extractor, images, batch_size: int = 64, limit: int | None 
         bar.close()
     if done != total:  # pragma: no cover - the readers above always deliver `total` rows
         raise RuntimeError(f"expected {total} images, got {done}")
+    out.update({key + "_stats": r.result() for key, r in running.items() if r.n})
     return out

@@ -65,6 +65,33 @@ def feature_statistics(features, chunk: int = 10_000):
     return mu, sigma
 
 
+class RunningStatistics:
+    """feature_statistics over batches that are not kept: float64 sums of the features shifted by the
+    first batch's mean (a shift keeps the one-pass covariance as accurate as the two-pass one)."""
+
+    def __init__(self):
+        self.n, self.shift, self.total, self.outer = 0, None, None, None
+
+    def update(self, batch):
+        batch = np.asarray(batch, dtype=np.float64).reshape(len(batch), -1)
+        if self.shift is None:
+            self.shift = batch.mean(axis=0)
+            self.total = np.zeros_like(self.shift)
+            self.outer = np.zeros((len(self.shift), len(self.shift)))
+        centred = batch - self.shift
+        self.n += len(batch)
+        self.total += centred.sum(axis=0)
+        self.outer += centred.T @ centred
+
+    def result(self):
+        """(mu [D], sigma [D, D]), sigma unbiased (N - 1) like np.cov."""
+        if self.n < 2:
+            raise ValueError(f"need at least 2 feature vectors for a covariance, got {self.n}")
+        mean_shifted = self.total / self.n
+        sigma = (self.outer - self.n * np.outer(mean_shifted, mean_shifted)) / (self.n - 1)
+        return self.shift + mean_shifted, sigma
+
+
 def _sqrtm(a: np.ndarray) -> np.ndarray:
     with warnings.catch_warnings():
         # scipy warns about singular input; the finiteness check below is the ADM rule that matters.

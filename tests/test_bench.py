@@ -8,6 +8,7 @@ import json
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +105,15 @@ def test_bench_rejects_a_bad_paper_code_folder(paper_repo, make_bad, needle):
 
 def test_bench_rejects_an_unknown_backbone():
     assert_one_line_error(run_script("bench.py", "--backbones", "DiT-Q/2"), "unknown backbone")
+
+
+def test_position_embedding_has_dits_layout():
+    """DiT/MAE put the column (w) coordinate in the first half of the sin-cos dims: weights and outputs
+    then match DiT-family code (the paper's dit.py) exactly."""
+    from dit import sincos_pos_embed_2d
+
+    emb = sincos_pos_embed_2d(8, 4).reshape(4, 4, 8)  # [row, col, dim]
+    first, second = emb[..., :4], emb[..., 4:]
+    assert torch.equal(first[0], first[3]) and not torch.equal(first[:, 0], first[:, 1])  # first half: column
+    assert torch.equal(second[:, 0], second[:, 3]) and not torch.equal(second[0], second[1])  # second: row
+    np.testing.assert_allclose(emb[0, 1, :2].numpy(), [np.sin(1.0), np.sin(0.01)], rtol=1e-6)

@@ -217,3 +217,16 @@ def test_no_warnings_from_regular_fid():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         frechet_distance(mu1, s1, mu1 + 1, s1)
+
+
+def test_running_statistics_match_the_two_pass_statistics():
+    from evaluations.metrics import RunningStatistics
+
+    rng = np.random.default_rng(11)
+    features = (rng.random((1000, 16)) * 3 + 50).astype(np.float32)  # a large mean tests the shift
+    running = RunningStatistics()
+    for start in range(0, 1000, 64):
+        running.update(features[start:start + 64])
+    mu, sigma = running.result()
+    np.testing.assert_allclose(mu, features.astype(np.float64).mean(0), rtol=1e-12)
+    np.testing.assert_allclose(sigma, np.cov(features.astype(np.float64), rowvar=False), rtol=1e-9, atol=1e-12)
