@@ -7,8 +7,8 @@
 
 Sections (`--sections`): training (below); sampling (EDM Heun images/s and network evaluations per
 image, unguided / CFG / CFG inside a guidance interval); evaluator (Inception images/s); suite (the
-ADM evaluator end to end on 50K samples, with its peak host memory) and fid (in-training FID on 5K
-samples, stage by stage), both in bench_eval.py.
+ADM evaluator end to end on 50K samples, with its peak host memory), metrics (its metric stage alone
+on random features) and fid (in-training FID on 5K samples, stage by stage), all in bench_eval.py.
 
 For every backbone x batch size x {dit, tread} it times full training steps (EDM loss forward,
 backward, AdamW step), and reports images/s, peak memory, the training-step FLOPs
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench_eval import IMAGENET_LATENT, bench_evaluator, bench_suite, bench_training_fid, sync
+from bench_eval import IMAGENET_LATENT, bench_evaluator, bench_metrics, bench_suite, bench_training_fid, sync
 from dit import DiT_models, get_model
 from edm import EDMLoss, EDMPrecond
 from errors import UserError, report_user_errors
@@ -273,6 +273,12 @@ def suite_table(rows):
             f"{r['images_per_s']:.1f}", f"{r['peak_host_mb']:.0f}"))
 
 
+def metrics_table(rows):
+    return "ADM metric stage alone (random features, own process):\n\n" + simple_table(
+        ("samples", "reference", "seconds", "peak host memory (MB)"), rows, lambda r: (
+            str(r["samples"]), str(r["reference"]), f"{r['seconds']:.1f}", f"{r['peak_host_mb']:.0f}"))
+
+
 def training_fid_table(rows):
     return ("In-training FID (EDM Heun, unguided; SD-VAE decoding; Inception; Frechet distance):\n\n" +
             simple_table(("backbone", "samples", "Heun steps", "total (s)", "sampling (s)", "decoding (s)",
@@ -298,13 +304,13 @@ def parse_args():
     parser.add_argument("--out", type=Path, default=None,
                         help="write results as JSON here (and a .md beside it), rewritten after every section")
     parser.add_argument("--sections", nargs="+", default=["training", "sampling", "evaluator"],
-                        choices=["training", "sampling", "evaluator", "suite", "fid"])
+                        choices=["training", "sampling", "evaluator", "suite", "metrics", "fid"])
     parser.add_argument("--sample-batch", type=int, default=8)
     parser.add_argument("--sample-steps", type=int, default=40, help="EDM Heun steps (NFE 2N-1 unguided)")
     parser.add_argument("--eval-batch", type=int, default=64)
     parser.add_argument("--eval-batches", type=int, default=2)
-    parser.add_argument("--suite-samples", type=int, default=50_000, help="suite: sample images")
-    parser.add_argument("--suite-ref", type=int, default=10_000, help="suite: reference images (ADM's: 10,000)")
+    parser.add_argument("--suite-samples", type=int, default=50_000, help="suite, metrics: sample images")
+    parser.add_argument("--suite-ref", type=int, default=10_000, help="suite, metrics: reference images (ADM's)")
     parser.add_argument("--suite-batch", type=int, default=250, help="suite: evaluator --batch-size")
     parser.add_argument("--tmp-dir", default=None, help="suite: where the random batches are written")
     parser.add_argument("--fid-samples", type=int, default=5_000, help="fid: samples (train.eval default)")
@@ -348,6 +354,7 @@ def main():
         "evaluator": (lambda: bench_evaluator(args, device),
                       lambda rows: f"Evaluator (Inception features): {rows[0]['images_per_s']:.1f} images/s"),
         "suite": (lambda: bench_suite(args, device), suite_table),
+        "metrics": (lambda: bench_metrics(args, device), metrics_table),
         "fid": (lambda: bench_training_fid(args, device, dtype), training_fid_table),
     }
     tables = []

@@ -4,11 +4,15 @@
 - suite: ADM's whole evaluation, `python -m evaluations.evaluator REF SAMPLES`, run as its own process
   on random uint8 batches written to a temporary folder (N samples and M reference images, streamed
   to disk like real batches), timed end to end, with that process's peak host memory.
+- metrics: the suite's metric stage alone (IS, FID, sFID, precision/recall) on random features of N
+  samples and M references, in its own process, with its peak host memory: the 50K-sample memory
+  figure on a machine where 60,000 Inception passes would take an hour.
 - fid: FID during training for a backbone: EDM Heun sampling of N images (40 steps, unguided, as
   train.eval does), SD-VAE decoding, Inception features and the Frechet distance, each stage timed.
 Networks are randomly initialised (the real architectures: the cost is the same, the numbers mean
 nothing), so this runs with no weights downloaded; `--vae` picks real SD-VAE weights instead.
 """
+import json
 import os
 import subprocess
 import sys
@@ -88,6 +92,44 @@ def bench_suite(args, device):
                images_per_s=(args.suite_samples + args.suite_ref) / seconds, peak_host_mb=peak_kib / 1024)
     print(f"ADM suite: {args.suite_samples} samples vs {args.suite_ref} references in {seconds:.1f} s "
           f"(process start included), peak host memory {row['peak_host_mb']:.0f} MB", flush=True)
+    return [row]
+
+
+def metric_stage(num_samples, num_ref, device="cpu", seed=0):
+    """ADM's metrics on random features shaped like the Inception port's; prints one JSON line with the
+    seconds and this process's peak RSS. Features are kept as the evaluator keeps them (pool and logits
+    arrays, sFID as running statistics)."""
+    import resource
+
+    from evaluations.evaluator import metrics_from_features
+    from evaluations.metrics import RunningStatistics, feature_statistics
+
+    rng = np.random.default_rng(seed)
+    pool, logits = np.empty((num_samples, 2048), np.float32), np.empty((num_samples, 1008), np.float32)
+    spatial = RunningStatistics()
+    for start in range(0, num_samples, 1000):
+        stop = min(start + 1000, num_samples)
+        pool[start:stop] = rng.random((stop - start, 2048), dtype=np.float32)
+        logits[start:stop] = rng.standard_normal((stop - start, 1008), dtype=np.float32)
+        spatial.update(rng.random((stop - start, 2023), dtype=np.float32))
+    ref = {"pool": rng.random((num_ref, 2048), dtype=np.float32)}
+    ref["mu"], ref["sigma"] = feature_statistics(ref["pool"])
+    ref["mu_s"], ref["sigma_s"] = spatial.result()
+    t0 = time.perf_counter()
+    metrics_from_features({"pool": pool, "logits": logits, "spatial_stats": spatial.result()}, ref,
+                          device=torch.device(device))
+    print(json.dumps(dict(seconds=time.perf_counter() - t0,
+                          peak_host_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+
+
+def bench_metrics(args, device):
+    code = f"from bench_eval import metric_stage; metric_stage({args.suite_samples}, {args.suite_ref}, '{device}')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the metric stage failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    row = dict(samples=args.suite_samples, reference=args.suite_ref, **json.loads(proc.stdout.splitlines()[-1]))
+    print(f"ADM metrics stage: {args.suite_samples} samples vs {args.suite_ref} references (random features) in "
+          f"{row['seconds']:.1f} s, peak host memory {row['peak_host_mb']:.0f} MB", flush=True)
     return [row]
 
 

@@ -92,6 +92,23 @@ def test_bench_times_ours_and_the_paper_code_in_one_run(paper_repo, tmp_path):
     assert "| DiT-T/8 | 2 | tread |" in table and "paper / ours" in table
 
 
+def test_bench_evaluation_sections_run_end_to_end(tmp_path):
+    out = tmp_path / "bench.json"
+    run_script("bench.py", "--backbones", "DiT-T/8", "--sections", "suite", "metrics", "fid",
+               "--suite-samples", "8", "--suite-ref", "4", "--suite-batch", "4", "--tmp-dir", tmp_path,
+               "--fid-samples", "2", "--fid-steps", "2", "--fid-batch", "2", "--out", out, check=True, timeout=600)
+    result = json.loads(out.read_text())
+    suite, = result["suite"]
+    assert suite["samples"] == 8 and suite["seconds"] > 0 and suite["peak_host_mb"] > 100
+    metrics, = result["metrics"]
+    assert metrics["samples"] == 8 and metrics["peak_host_mb"] > 100
+    fid, = result["fid"]
+    assert fid["samples"] == 2 and min(fid[k] for k in ("sampling_s", "decoding_s", "features_s")) > 0
+    assert fid["seconds"] >= fid["sampling_s"] + fid["decoding_s"] + fid["features_s"]
+    assert list(tmp_path.glob("tmp*")) == []  # the random batches are removed
+    assert "ADM suite" in out.with_suffix(".md").read_text()
+
+
 @pytest.mark.parametrize("make_bad, needle", [
     (lambda p: p / "missing", "no dit.py"),
     (lambda p: (p / "routing_module.py").unlink() or p, "no routing_module.py"),
