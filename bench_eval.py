@@ -28,6 +28,18 @@ REPO = Path(__file__).resolve().parent
 IMAGENET_LATENT = dict(num_classes=1000, in_channels=4, input_size=32)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. VmHWM belongs to the process's own address space; ru_maxrss
+    would carry over the parent's peak into a freshly started child on Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -64,10 +76,11 @@ def write_random_batch(path, count, seed, size=256, chunk=512):
             f.write(rng.integers(0, 256, (min(chunk, count - start), size, size, 3), dtype=np.uint8).tobytes())
 
 
-# Runs the evaluator CLI and reports its own peak RSS (KiB on Linux) on stderr as it exits.
+# Runs the evaluator CLI and reports its own peak RSS (MB) on stderr as it exits.
 _MEASURED_EVALUATOR = """
-import atexit, resource, runpy, sys
-atexit.register(lambda: print("peak_rss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))
+import atexit, runpy, sys
+from bench_eval import peak_rss_mb
+atexit.register(lambda: print("peak_rss_mb", peak_rss_mb(), file=sys.stderr))
 sys.argv[0] = "evaluator"
 runpy.run_module("evaluations.evaluator", run_name="__main__", alter_sys=True)
 """
@@ -87,9 +100,9 @@ def bench_suite(args, device):
         seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"the evaluator failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    peak_kib = [int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("peak_rss_kib")][-1]
+    peak_mb = [float(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("peak_rss_mb")][-1]
     row = dict(samples=args.suite_samples, reference=args.suite_ref, batch=args.suite_batch, seconds=seconds,
-               images_per_s=(args.suite_samples + args.suite_ref) / seconds, peak_host_mb=peak_kib / 1024)
+               images_per_s=(args.suite_samples + args.suite_ref) / seconds, peak_host_mb=peak_mb)
     print(f"ADM suite: {args.suite_samples} samples vs {args.suite_ref} references in {seconds:.1f} s "
           f"(process start included), peak host memory {row['peak_host_mb']:.0f} MB", flush=True)
     return [row]
@@ -99,8 +112,6 @@ def metric_stage(num_samples, num_ref, device="cpu", seed=0):
     """ADM's metrics on random features shaped like the Inception port's; prints one JSON line with the
     seconds and this process's peak RSS. Features are kept as the evaluator keeps them (pool and logits
     arrays, sFID as running statistics)."""
-    import resource
-
     from evaluations.evaluator import metrics_from_features
     from evaluations.metrics import RunningStatistics, feature_statistics
 
@@ -118,8 +129,7 @@ def metric_stage(num_samples, num_ref, device="cpu", seed=0):
     t0 = time.perf_counter()
     metrics_from_features({"pool": pool, "logits": logits, "spatial_stats": spatial.result()}, ref,
                           device=torch.device(device))
-    print(json.dumps(dict(seconds=time.perf_counter() - t0,
-                          peak_host_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+    print(json.dumps(dict(seconds=time.perf_counter() - t0, peak_host_mb=peak_rss_mb())))
 
 
 def bench_metrics(args, device):

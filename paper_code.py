@@ -94,4 +94,9 @@ def load_our_weights(theirs, ours):
 
 def eager_context(eager: bool):
     """Runs their `@torch.compile`d blocks eagerly when `eager`, as published otherwise."""
-    return torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+    if not eager:
+        return contextlib.nullcontext()
+    if not hasattr(torch.compiler, "set_stance"):
+        raise UserError(f"running the paper's code eagerly needs torch >= 2.6 (torch.compiler.set_stance), this "
+                        f"is {torch.__version__}; pass --paper-modes published")
+    return torch.compiler.set_stance("force_eager")
