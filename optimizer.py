@@ -1,9 +1,9 @@
 """The optimizer of train.py and bench.py: AdamW with the fastest implementation the device offers.
 
-The fused kernel exists for CUDA and, since torch 2.4, for the CPU, where it is much faster than the
-default per-tensor loop (DiT-S/2 on 2 cores: about 30 ms against over a second a step) and so decides
-how close TREAD's measured speed-up gets to its FLOP bound: the optimizer step does not shrink with
-the routed tokens. Otherwise the multi-tensor (foreach) path is used.
+The fused kernel exists for CUDA and, since torch 2.4, for the CPU, where torch's default is a
+per-tensor loop. Its cost matters for TREAD: the optimizer step does not shrink with the routed
+tokens, so a slow one pulls the measured speed-up below the FLOP bound. Without a fused kernel the
+multi-tensor (foreach) path is used.
 """
 import torch
 
