@@ -113,12 +113,12 @@ def our_model(backbone, routed, device, mode):
     return torch.compile(model) if mode == "compiled" else model
 
 
-def paper_model(paper_dit, backbone, routed, device):
-    """The paper's DiT holding our initial weights (their pos_embed is computed identically)."""
-    ours = our_model(backbone, routed, "cpu", "eager")
+def paper_twin(paper_dit, backbone, ours, routed):
+    """The paper's DiT for `backbone` holding the weights of our model `ours` (their pos_embed is
+    computed identically)."""
     theirs = build_paper_model(paper_dit, backbone, DiT_models[backbone]["depth"], routed, **IMAGENET_LATENT)
     load_our_weights(theirs, ours)
-    return theirs.to(device).train()
+    return theirs
 
 
 @torch.no_grad()
@@ -129,8 +129,7 @@ def paper_output_difference(paper_dit, backbone):
     ours = get_model(backbone, model_params(backbone, False)).eval()
     for p in ours.parameters():
         p.add_(0.02 * torch.randn_like(p))
-    theirs = build_paper_model(paper_dit, backbone, DiT_models[backbone]["depth"], False, **IMAGENET_LATENT).eval()
-    load_our_weights(theirs, ours)
+    theirs = paper_twin(paper_dit, backbone, ours, routed=False).eval()
     x, t, y = torch.randn(2, 4, 32, 32), torch.randn(2), torch.tensor([0, 999])
     with eager_context(hasattr(torch.compiler, "set_stance")):  # eager where torch can switch compilation off
         return (ours(x, t, y) - theirs(x, t, y)).abs().max().item()
@@ -158,7 +157,8 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None):
                     if code == "ours":
                         model, context = our_model(backbone, routed, device, mode), contextlib.nullcontext
                     else:
-                        model = paper_model(paper_dit, backbone, routed, device)
+                        ours = our_model(backbone, routed, "cpu", "eager")  # same initial weights
+                        model = paper_twin(paper_dit, backbone, ours, routed).to(device).train()
                         context = functools.partial(eager_context, mode == "eager")
                     steps[code, mode] = training_step(model, batch, device, dtype, context)
                 medians, peaks = time_interleaved(steps, args.steps, args.warmup, device)
