@@ -13,12 +13,10 @@ import torch.nn.functional as F
 from timm.layers import Mlp, PatchEmbed
 from torch.utils.checkpoint import checkpoint
 
-from errors import UserError
+from backbones.adaln import modulate
+from backbones.ssm import SSMBlock
 from routing_module import TokenRouter, resolve_routes
-
-
-def modulate(x, shift, scale):
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+from tread_utils.errors import UserError
 
 
 class TimestepEmbedder(nn.Module):
@@ -183,8 +181,6 @@ class DiT(nn.Module):
 
 
 def block_classes():
-    from ssm import SSMBlock  # the second backbone family; imported here to keep dit.py standalone
-
     return {"attention": DiTBlock, "ssm": SSMBlock}
 
 
@@ -199,7 +195,7 @@ def _registry():
 
 # "DiT-T/*" is the tiny model for the embedded digits dataset (12 blocks, 128 wide, 4 heads).
 # "DiS-*": the same embedders and adaLN-Zero conditioning with state-space blocks instead of attention
-# (ssm.py), a backbone that is not a transformer, routed by the same TokenRouter.
+# (backbones/ssm.py), a backbone that is not a transformer, routed by the same TokenRouter.
 DiT_models = _registry()
 
 MODEL_PARAM_KEYS = {"num_classes", "in_channels", "input_size", "enable_routing", "routes", "depth", "hidden_size",

@@ -16,31 +16,28 @@ if fewer); ``--random-init`` (tests only). Bad input: one ``error:`` line on std
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from errors import UserError, report_user_errors
+from evaluations.digits_classifier import load_digits_classifier
+from evaluations.evaluator import inspect_reference, reference_from_npz, resolve_device
+from evaluations.features import compute_features, open_images
+from evaluations.inception import load_inception
+from evaluations.metrics import feature_statistics, frechet_distance
+from tread_utils.errors import UserError, report_user_errors
+from tread_utils.files import ArgumentParser, atomic_write, positive_int
 
 NETWORKS = ("inception", "digits")
 
 
 def load_network(name: str, weights=None, device="auto", random_init: bool = False):
     """The feature extractor for ``--network`` (inception | digits)."""
-    from evaluations.evaluator import resolve_device
-
     dev = resolve_device(device)
     if name == "digits":
-        from evaluations.digits_classifier import load_digits_classifier
-
         if random_init:
             raise UserError("--random-init applies to --network inception only")
         return load_digits_classifier(weights, device=dev)
-    from evaluations.inception import load_inception
-
     return load_inception(weights, device=dev, random_init=random_init)
 
 
@@ -49,8 +46,6 @@ def network_tag(name: str, random_init: bool) -> str:
 
 
 def image_features(source, extractor, batch_size: int, num_images: int | None, progress: bool) -> dict:
-    from evaluations.features import compute_features, open_images
-
     images = open_images(source, min_count=num_images)
     n = len(images) if num_images is None else num_images
     if n < 2:
@@ -61,8 +56,6 @@ def image_features(source, extractor, batch_size: int, num_images: int | None, p
 
 def write_reference(out, feats: dict, tag: str, save_features: bool = False) -> Path:
     """Write an ADM reference file (mu, sigma, mu_s, sigma_s [+ pool_features]) atomically."""
-    from evaluations.metrics import feature_statistics
-
     out = Path(out)
     if out.suffix != ".npz":
         raise UserError(f"--out {out} must end in .npz")
@@ -75,10 +68,7 @@ def write_reference(out, feats: dict, tag: str, save_features: bool = False) -> 
         arrays["mu_s"], arrays["sigma_s"] = feature_statistics(feats["spatial"])
     if save_features:
         arrays["pool_features"] = feats["pool"]
-    tmp = out.with_name(out.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, out)
-    return out
+    return atomic_write(out, lambda f: np.savez(f, **arrays))
 
 
 def _check_network_tag(ref_path, tag: str):
@@ -90,8 +80,8 @@ def _check_network_tag(ref_path, tag: str):
                                 f"use the same network for both")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="FID reference statistics and FID (ADM-compatible).")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="FID reference statistics and FID (ADM-compatible).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):
@@ -101,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--weights", default=None,
                        help="weights file (inception: pt_inception-2015-12-05-6726825d.pth, else env "
                             "TREAD_INCEPTION_WEIGHTS / cache / download; digits: the shipped file)")
-        p.add_argument("--batch-size", type=int, default=64)
+        p.add_argument("--batch-size", type=positive_int, default=64)
         p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
         p.add_argument("--num-images", type=int, default=None, help="use the first N images (error if fewer)")
         p.add_argument("--random-init", action="store_true", help="FOR TESTS ONLY: random Inception weights")
@@ -121,17 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 @report_user_errors
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.num_images is not None and args.num_images < 2:
         raise UserError(f"--num-images must be >= 2, got {args.num_images}")
-    from evaluations.features import open_images
-
     tag = network_tag(args.network, args.random_init)
     open_images(args.images, min_count=args.num_images)  # validate before building a network
     if args.command == "calc":
-        from evaluations.evaluator import inspect_reference
-
         inspect_reference(args.ref)
         _check_network_tag(args.ref, tag)
     extractor = load_network(args.network, args.weights, args.device, args.random_init)
@@ -141,9 +125,6 @@ def main(argv=None):
         out = write_reference(args.out, feats, tag, args.save_features)
         print(f"wrote {out} ({len(feats['pool'])} images, network {tag})")
         return
-    from evaluations.evaluator import reference_from_npz
-    from evaluations.metrics import feature_statistics, frechet_distance
-
     ref = reference_from_npz(args.ref, extractor, args.batch_size, progress)
     feats = image_features(args.images, extractor, args.batch_size, args.num_images, progress)
     mu, sigma = feature_statistics(feats["pool"])

@@ -26,8 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from errors import UserError
-
+from tread_utils.errors import UserError
 
 SELECTIONS = ("random", "importance")
 

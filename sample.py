@@ -16,7 +16,13 @@ import os
 import sys
 from pathlib import Path
 
-from errors import UserError, exit_with
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from tread_utils.errors import UserError, exit_with
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_NAME = "sample"
@@ -31,8 +37,6 @@ def prepare_overrides(argv) -> list:
 
     `sampler=euler` means `sampler.name=euler`; `seeds=0,5,7` is quoted (Hydra would read it as a sweep).
     """
-    from omegaconf import OmegaConf
-
     base = OmegaConf.load(CONFIG_DIR / f"{CONFIG_NAME}.yaml")
     out = []
     for arg in argv:
@@ -58,11 +62,6 @@ def prepare_overrides(argv) -> list:
 
 
 def compose_config(argv):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     overrides = prepare_overrides(argv)
     GlobalHydra.instance().clear()  # a CLI entry point: ours is the only Hydra configuration
     try:
@@ -80,7 +79,7 @@ def _positive_int(value, name: str) -> int:
 
 
 def resolve_seeds(num_samples, seeds) -> list:
-    from sampling import parse_seeds
+    from generation import parse_seeds  # loads torch: kept out of --help, like the imports of run()
 
     if num_samples is not None:
         num_samples = _positive_int(num_samples, "num_samples")
@@ -96,7 +95,14 @@ def resolve_seeds(num_samples, seeds) -> list:
 
 
 def run(cfg) -> None:
-    from omegaconf import OmegaConf
+    # torch, accelerate and the model code load here, not at the top, so that --help answers at once
+    import torch
+    from accelerate import Accelerator
+
+    import generation
+    from data.decoders import decoder_for
+    from training import checkpoint as ckpt
+    from tread_utils.files import check_output_path
 
     if OmegaConf.is_missing(cfg, "ckpt") or cfg.ckpt in (None, ""):
         raise UserError("ckpt is required: ckpt=PATH (a checkpoint file or a run directory)")
@@ -108,28 +114,19 @@ def run(cfg) -> None:
         raise UserError(f"class_labels must be null (random per seed) or a class index, got {class_labels!r}")
     grid_images = _positive_int(cfg.grid_images, "grid_images")
 
-    import checkpoint as ckpt
-    import sampling
-
-    out = sampling.check_output_path(cfg.out, ".npz", "out")
-    grid = sampling.check_output_path(cfg.grid, ".png", "grid") if cfg.grid else None
+    out = check_output_path(cfg.out, ".npz", "out")
+    grid = check_output_path(cfg.grid, ".png", "grid") if cfg.grid else None
     given = {k: v for k, v in OmegaConf.to_container(cfg.sampler, resolve=True).items() if v is not None}
-    sampler_kwargs = {**sampling.DEFAULT_SAMPLER, **given}
-    sampling.make_sampler(sampler_kwargs)  # unknown sampler, setting or value: refused before loading anything
+    sampler_kwargs = {**generation.DEFAULT_SAMPLER, **given}
+    generation.make_sampler(sampler_kwargs)  # unknown sampler, setting or value: refused before loading anything
     path = ckpt.resolve_checkpoint(cfg.ckpt)
-
-    import torch
-    from accelerate import Accelerator
-
-    from decoders import decoder_for
-
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    state = sampling.read_checkpoint(path)
-    net, run_cfg = sampling.net_from_state(state, path, accelerator.device)
+    state = ckpt.read_checkpoint(path)
+    net, run_cfg = ckpt.net_from_state(state, path, accelerator.device)
     if class_labels is not None and not 0 <= class_labels < net.num_classes:
         raise UserError(f"class_labels={class_labels} is not a class of this model (0..{net.num_classes - 1})")
     drop_prob = run_cfg.get("train", {}).get("general", {}).get("class_drop_prob")
-    guided = sampling.build_guided_net(net, OmegaConf.to_container(cfg, resolve=True), class_drop_prob=drop_prob)
+    guided = generation.build_guided_net(net, OmegaConf.to_container(cfg, resolve=True), class_drop_prob=drop_prob)
     decoder = decoder_for(run_cfg.get("dataset", {}), vae=cfg.vae, device=accelerator.device)
     main = accelerator.is_main_process
     if main:
@@ -138,14 +135,14 @@ def run(cfg) -> None:
               f"steps, cfg_scale {cfg.cfg_scale}, routing guidance "
               f"{'off' if cfg.routing_guidance.scale is None else cfg.routing_guidance.scale}", flush=True)
     del state
-    images, labels = sampling.generate(guided, seeds, sampler_kwargs=sampler_kwargs, decoder=decoder,
+    images, labels = generation.generate(guided, seeds, sampler_kwargs=sampler_kwargs, decoder=decoder,
                                        batch_size=batch_size, device=accelerator.device, accelerator=accelerator,
                                        class_labels=class_labels, progress=bool(cfg.progress))
     if main:
-        sampling.save_samples_npz(out, images, labels)
+        generation.save_samples_npz(out, images, labels)
         print(f"wrote {out}: arr_0 {images.dtype} {list(images.shape)}, arr_1 {labels.dtype} {list(labels.shape)}")
         if grid is not None:
-            sampling.save_image_grid(grid, images, grid_images)
+            generation.save_image_grid(grid, images, grid_images)
             print(f"wrote {grid} ({min(len(images), grid_images)} images)")
     accelerator.end_training()
 
@@ -163,8 +160,6 @@ def main(argv=None) -> None:
         options = (CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text()
         print(f"{__doc__.strip()}\n\nOptions (configs/sample.yaml):\n{options}")
         return
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         run(compose_config(argv))
     except UserError as e:

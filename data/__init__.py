@@ -1,63 +1,30 @@
-"""Training data: the embedded digits, or precomputed latents on disk, and a resumable sampler.
+"""Training data and the latent format: the embedded digits, latent shards (reader and writer: `shards`,
+`extract_latents`), the SD-VAE (`vae`), latents -> images (`decoders`, `images`) and a resumable sampler.
 
 Every dataset is map-style and addressed by a *global* index `epoch * N + i`, so any randomness a
 dataset draws for a read (a posterior sample, a flip) is a function of that index alone: a resumed
 run sees exactly the batches an uninterrupted one would, whatever the number of loader workers.
 """
-import torch
+from data.batch_sampler import ResumableBatchSampler
+from data.digits import DigitsDataset
+from data.shards import LatentShardDataset
+from tread_utils.errors import UserError
 
-from errors import UserError
+# dataset.kind -> the training dataset for a `dataset` config
+DATASETS = {
+    "digits": lambda d, seed: DigitsDataset("train", resolution=d.input_size),
+    "shards": lambda d, seed: LatentShardDataset(d.train_path, in_channels=d.in_channels, input_size=d.input_size,
+                                                 num_classes=d.num_classes, scale_factor=d.scale_factor,
+                                                 random_flip=d.random_flip, seed=seed),
+}
 
 
 def build_dataset(dataset_cfg, seed: int = 0):
     """The training dataset named by the `dataset` config group."""
     kind = dataset_cfg.kind
-    if kind == "digits":
-        from data.digits import DigitsDataset
-
-        return DigitsDataset("train", resolution=dataset_cfg.input_size)
-    if kind == "shards":
-        from data.shards import LatentShardDataset
-
-        return LatentShardDataset(dataset_cfg.train_path, in_channels=dataset_cfg.in_channels,
-                                  input_size=dataset_cfg.input_size, num_classes=dataset_cfg.num_classes,
-                                  scale_factor=dataset_cfg.scale_factor, random_flip=dataset_cfg.random_flip,
-                                  seed=seed)
-    raise UserError(f"unknown dataset.kind {kind!r}; use 'digits' or 'shards'")
+    if kind not in DATASETS:
+        raise UserError(f"unknown dataset.kind {kind!r}; choose one of {', '.join(DATASETS)}")
+    return DATASETS[kind](dataset_cfg, seed)
 
 
-class ResumableBatchSampler(torch.utils.data.Sampler):
-    """Yields this rank's batches of global indices from `start_step` on, forever.
-
-    Epoch e is a permutation seeded by (seed, e); each step takes the next `batch_size * world_size`
-    indices of it and this rank takes its slice, dropping the incomplete tail. Step s therefore
-    always maps to the same samples, which is all a checkpoint needs to store the data position.
-    """
-
-    def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 start_step: int = 0):
-        global_batch = batch_size * world_size
-        if num_samples < global_batch:
-            raise UserError(f"the dataset holds {num_samples} samples, fewer than one global batch of "
-                            f"{global_batch}; lower train.general.batch_size")
-        self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
-        self.seed, self.start_step = seed, start_step
-        self.steps_per_epoch = num_samples // global_batch
-
-    def epoch_permutation(self, epoch: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=generator)
-
-    def __iter__(self):
-        step = self.start_step
-        epoch, perm = None, None
-        while True:
-            e, k = divmod(step, self.steps_per_epoch)
-            if e != epoch:
-                epoch, perm = e, self.epoch_permutation(e)
-            begin = (k * self.world_size + self.rank) * self.batch_size
-            yield (perm[begin:begin + self.batch_size] + epoch * self.num_samples).tolist()
-            step += 1
-
-    def __len__(self):  # infinite in principle; a large number keeps DataLoader happy
-        return 2 ** 62
+__all__ = ["DATASETS", "DigitsDataset", "LatentShardDataset", "ResumableBatchSampler", "build_dataset"]

@@ -22,13 +22,13 @@ import tarfile
 import numpy as np
 import torch
 
-from errors import UserError
+from tread_utils.errors import UserError
 
 LATENT_EXT, LABEL_EXT = ".latent.npy", ".cls"
 NPY_LATENTS, NPY_LABELS = ".latents.npy", ".labels.npy"
 SIDECAR_EXT = ".idx.npz"
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
-REEXTRACT = "re-create it with extract_latents.py (complete shards are kept)"
+REEXTRACT = "re-create it with `python -m data.extract_latents` (complete shards are kept)"
 
 
 def _read_at(path, *ranges):
@@ -235,14 +235,14 @@ class LatentShardDataset(torch.utils.data.Dataset):
     def __init__(self, path, in_channels, input_size, num_classes, scale_factor=0.18215, random_flip=False, seed=0):
         path = os.fspath(path)
         if not os.path.exists(path):
-            raise UserError(f"latent data path {path} does not exist; point it at the output of extract_latents.py")
+            raise UserError(f"latent data path {path} does not exist; point it at the output of `python -m data.extract_latents`")
         self.path, self.in_channels, self.input_size = path, int(in_channels), int(input_size)
         self.num_classes, self.scale_factor = int(num_classes), float(scale_factor)
         self.random_flip, self.seed = bool(random_flip), int(seed)
         tars, npys = _find_shards(path)
         if not tars and not npys:
             raise UserError(f"no latent shards found under {path} (searched recursively for *.tar and "
-                            f"*{NPY_LATENTS} + *{NPY_LABELS}); run extract_latents.py or fix the path")
+                            f"*{NPY_LATENTS} + *{NPY_LABELS}); run `python -m data.extract_latents` or fix the path")
         counts = _manifest_counts(path, tars)
         shards = [_TarShard(p, counts.get(p)) for p in tars] + [_NpyShard(p) for p in npys]
         self.shards = sorted(shards, key=lambda s: s.path)
@@ -252,7 +252,7 @@ class LatentShardDataset(torch.utils.data.Dataset):
                 self._layout(shape, s.path)
         self._ends = np.cumsum([s.count for s in self.shards]).tolist()
         if self._ends[-1] == 0:
-            raise UserError(f"the latent shards under {path} hold no samples; re-run extract_latents.py")
+            raise UserError(f"the latent shards under {path} hold no samples; re-run `python -m data.extract_latents`")
 
     def _layout(self, shape, where):
         c, s = self.in_channels, self.input_size

@@ -1,6 +1,6 @@
 """The Stable Diffusion VAE (diffusers AutoencoderKL): loading, encoding to posterior moments, decoding.
 
-Shared by extract_latents.py (images -> moments) and sampling (scaled latents -> uint8 images).
+Shared by data/extract_latents.py (images -> moments) and sampling (scaled latents -> uint8 images).
 Latents seen by the diffusion model are VAE samples multiplied by SD_VAE_SCALE; stored moments are not.
 The ft-EMA / ft-MSE checkpoints only fine-tuned the decoder, so their encoder equals the original kl-f8.
 """
@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from errors import UserError
+from tread_utils.errors import UserError
 
 SD_VAE_SCALE = 0.18215
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"

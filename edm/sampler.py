@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from errors import UserError
+from tread_utils.errors import UserError
 
 __all__ = [
     "edm_sampler",
@@ -382,28 +382,23 @@ SAMPLERS = {
 }
 
 
-def _register_flow_sampler():
-    from flow.sampler import flow_sampler  # diffuser=rf: Euler/Heun on the velocity ODE
-
-    SAMPLERS["flow"] = flow_sampler
-
-
-_register_flow_sampler()
-
-
-def sampler_from_config(name: str, **kwargs) -> Callable:
-    """The sampler `name` ('edm' / 'heun', 'euler', 'ablation') with its settings bound.
-
-    Returns ``fn(net, latents, class_labels=None, **more)``. Only the sampler's own parameters are accepted
-    here (e.g. num_steps, S_churn, solver); a misspelt one raises `UserError` instead of silently reaching
-    the network as a keyword argument. Pass network keyword arguments at call time.
-    """
-    if name not in SAMPLERS:
-        raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(sorted(SAMPLERS))}")
-    fn = SAMPLERS[name]
+def bind_sampler(name: str, fn: Callable, **kwargs) -> Callable:
+    """`fn` with its settings bound. Only the sampler's own keyword-only parameters are accepted (e.g.
+    num_steps, S_churn, solver); a misspelt one raises `UserError` instead of silently reaching the network
+    as a keyword argument. Pass network keyword arguments at call time."""
     params = inspect.signature(fn).parameters
     allowed = [p for p, v in params.items() if v.kind == inspect.Parameter.KEYWORD_ONLY]
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise UserError(f"sampler {name!r} has no setting {', '.join(unknown)}; valid settings: {', '.join(allowed)}")
     return functools.partial(fn, **kwargs)
+
+
+def sampler_from_config(name: str, **kwargs) -> Callable:
+    """The sampler `name` ('edm' / 'heun', 'euler', 'ablation') with its settings bound (see `bind_sampler`).
+
+    Returns ``fn(net, latents, class_labels=None, **more)``.
+    """
+    if name not in SAMPLERS:
+        raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(sorted(SAMPLERS))}")
+    return bind_sampler(name, SAMPLERS[name], **kwargs)

@@ -8,7 +8,7 @@ returns a dict of float32 tensors
 * ``logits``  [N, 10]   class logits (Inception Score, accuracy)
 
 Only channel 0 is used (digits are grey); pixel p becomes p / 127.5 - 1, so it matches digits latents
-in [-1, 1] after :func:`evaluations.features.latents_to_uint8`. Other square resolutions are resized
+in [-1, 1] after :func:`data.images.latents_to_uint8`. Other square resolutions are resized
 (bilinear) to 16x16.
 
 Train-time FID for digits::
@@ -21,7 +21,7 @@ Train-time FID for digits::
     #   digits_fid(latents, clf, ref)
 
 The shipped weights ``evaluations/digits_classifier.pt`` come from
-``python evaluations/train_digits_classifier.py``.
+``python -m tools.train_digits_classifier``.
 """
 from __future__ import annotations
 
@@ -32,8 +32,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from errors import UserError
-from evaluations.features import compute_features, latents_to_uint8
+from data.digits import load_digits_split
+from data.images import latents_to_uint8
+from evaluations.evaluator import metrics_from_features
+from evaluations.features import compute_features
+from evaluations.metrics import feature_statistics, frechet_distance
+from tread_utils.errors import UserError
 
 WEIGHTS_PATH = Path(__file__).resolve().parent / "digits_classifier.pt"
 RESOLUTION = 16
@@ -90,7 +94,7 @@ def load_digits_classifier(path=None, device=None) -> DigitsClassifier:
     path = Path(path) if path is not None else WEIGHTS_PATH
     if not path.is_file():
         raise UserError(f"digits classifier weights {path} not found; train them with "
-                        f"`python evaluations/train_digits_classifier.py`")
+                        f"`python -m tools.train_digits_classifier`")
     model = DigitsClassifier()
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     for p in model.parameters():
@@ -114,9 +118,6 @@ def digits_reference_statistics(classifier=None, split: str = "test", batch_size
 
     Returns {'mu', 'sigma', 'mu_s', 'sigma_s', 'pool', 'spatial', 'logits', 'labels'} (numpy).
     """
-    from data.digits import load_digits_split
-    from evaluations.metrics import feature_statistics
-
     classifier = classifier if classifier is not None else load_digits_classifier()
     images, labels = load_digits_split(split, resolution=RESOLUTION)
     feats = compute_features(classifier, latents_to_uint8(images), batch_size)
@@ -133,8 +134,6 @@ def evaluate_digits(samples, classifier=None, reference=None, batch_size: int = 
     reuse it across evaluations). Returns {'fid', 'sfid', 'inception_score', 'precision', 'recall',
     'notes'}; precision/recall need at least 4 samples.
     """
-    from evaluations.evaluator import metrics_from_features
-
     classifier = classifier if classifier is not None else load_digits_classifier()
     reference = reference if reference is not None else digits_reference_statistics(classifier)
     feats = compute_features(classifier, _as_uint8_images(samples), batch_size)
@@ -145,8 +144,6 @@ def evaluate_digits(samples, classifier=None, reference=None, batch_size: int = 
 
 def digits_fid(samples, classifier=None, reference=None, batch_size: int = 512) -> float:
     """FID of digits samples ([-1, 1] latents [N, 1, H, W] or uint8 NHWC) against the held-out split."""
-    from evaluations.metrics import feature_statistics, frechet_distance
-
     classifier = classifier if classifier is not None else load_digits_classifier()
     reference = reference if reference is not None else digits_reference_statistics(classifier)
     feats = compute_features(classifier, _as_uint8_images(samples), batch_size, keys=("pool",))

@@ -25,14 +25,13 @@ From Python: :func:`evaluate` (two .npz paths and an extractor -> dict),
 :func:`fid_against_reference` (uint8 images + reference -> FID), e.g. for train-time FID::
 
     from evaluations.inception import load_inception
-    from evaluations.features import latents_to_uint8
+    from data.images import latents_to_uint8
     extractor = load_inception()                       # weights: --weights / env / cache / download
     ref = reference_from_npz("VIRTUAL_imagenet256_labeled.npz", extractor)
     fid = fid_against_reference(extractor, latents_to_uint8(decoded_images), ref)
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -41,10 +40,13 @@ if __package__ in (None, ""):  # run as `python evaluations/evaluator.py`: make 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
+import torch
 
-from errors import UserError, report_user_errors
 from evaluations.features import compute_features, npz_images, open_npz
+from evaluations.inception import InceptionV3FID, load_inception
 from evaluations.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
+from tread_utils.errors import UserError, report_user_errors
+from tread_utils.files import ArgumentParser, positive_int
 
 K_NEIGHBOURS = 3
 STAT_PAIRS = (("mu", "sigma", "pool"), ("mu_s", "sigma_s", "spatial"))
@@ -243,8 +245,6 @@ class TFInceptionExtractor:
         return iter(())
 
     def __call__(self, images):
-        import torch
-
         batch = images.cpu().numpy() if torch.is_tensor(images) else np.asarray(images)
         pool, spatial = self._session.run([self._pool, self._spatial], {self._input: batch.astype(np.float32)})
         return {"pool": torch.from_numpy(pool), "spatial": torch.from_numpy(spatial),
@@ -273,8 +273,6 @@ def load_tf_extractor(graph_path=None) -> TFInceptionExtractor:
 # CLI
 # --------------------------------------------------------------------------------------------
 def resolve_device(name: str):
-    import torch
-
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -286,16 +284,16 @@ def resolve_device(name: str):
     return device
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         description="ADM evaluation (Inception Score, FID, sFID, precision, recall) of SAMPLE.npz against REF.npz.")
     p.add_argument("ref_batch", help="reference .npz (arr_0 uint8 [N,H,W,3] and/or mu, sigma, mu_s, sigma_s)")
     p.add_argument("sample_batch", help="sample .npz (arr_0 uint8 [N,H,W,3])")
-    p.add_argument("--batch-size", type=int, default=64, help="images per forward pass (ADM: 64)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (ADM: 64)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--weights", default=None,
                    help="pt_inception-2015-12-05-6726825d.pth (else env TREAD_INCEPTION_WEIGHTS, the cache, or a download)")
-    p.add_argument("--num-samples", type=int, default=None, help="evaluate the first N samples (error if fewer)")
+    p.add_argument("--num-samples", type=positive_int, default=None, help="evaluate the first N samples (error if fewer)")
     p.add_argument("--backend", choices=("torch", "tf"), default="torch",
                    help="torch: the PyTorch port (default); tf: the original TF graph (pip install -e \".[tf]\")")
     p.add_argument("--tf-graph", default=None, help=f"{TF_GRAPH_FILENAME} for --backend tf (else env {TF_GRAPH_ENV})")
@@ -308,12 +306,6 @@ def build_parser() -> argparse.ArgumentParser:
 @report_user_errors
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.num_samples is not None and args.num_samples < 1:
-        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
-    from evaluations.inception import InceptionV3FID
-
     # Validate both files before building a network.
     inspect_reference(args.ref_batch, InceptionV3FID.feature_dims)
     inspect_samples(args.sample_batch, args.num_samples)
@@ -321,8 +313,6 @@ def main(argv=None):
         extractor = load_tf_extractor(args.tf_graph)
         device = None
     else:
-        from evaluations.inception import load_inception
-
         device = resolve_device(args.device)
         extractor = load_inception(args.weights, device=device, random_init=args.random_init)
     result = evaluate(args.ref_batch, args.sample_batch, extractor, batch_size=args.batch_size,

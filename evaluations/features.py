@@ -1,12 +1,11 @@
 """Shared helpers of the evaluation suite: image batches in and feature batches out.
 
-* :func:`latents_to_uint8` - [-1, 1] latents [N, C, H, W] (C = 1 or 3) -> uint8 images [N, H, W, 3].
 * :class:`NpzImages` - streams ``arr_0`` (or any key) of an .npz in batches without loading it whole.
 * :func:`load_image_folder` - a folder of PNG/JPG files -> uint8 [N, H, W, 3] (PIL, RGB).
 * :func:`compute_features` - runs a feature extractor (Inception, digits classifier, ...) over uint8
   NHWC images in batches and returns float32 numpy arrays ``pool``, ``spatial``, ``logits``.
 
-Validation failures raise :class:`errors.UserError` with a one-line message.
+Validation failures raise :class:`tread_utils.errors.UserError` with a one-line message.
 """
 from __future__ import annotations
 
@@ -15,29 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
+from tqdm import tqdm
 
-from errors import UserError
+from evaluations.metrics import RunningStatistics
+from tread_utils.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 FEATURE_KEYS = ("pool", "spatial", "logits")
-
-
-def latents_to_uint8(x):
-    """[-1, 1] images/latents [N, C, H, W] with C = 1 (grey, repeated) or 3 -> uint8 [N, H, W, 3].
-
-    ``round((x + 1) * 127.5)`` clamped to [0, 255] (round half to even). Torch in, torch out (same
-    device); numpy in, numpy out. This is how digits latents become "images" for the classifier.
-    """
-    is_numpy = not torch.is_tensor(x)
-    t = torch.as_tensor(x)
-    if t.dim() != 4 or t.shape[1] not in (1, 3):
-        raise ValueError(f"expected latents of shape [N, 1 or 3, H, W], got {tuple(t.shape)}")
-    t = torch.round((t.detach().to(torch.float32) + 1.0) * 127.5).clamp_(0, 255).to(torch.uint8)
-    t = t.permute(0, 2, 3, 1)
-    if t.shape[-1] == 1:
-        t = t.expand(-1, -1, -1, 3)
-    t = t.contiguous()
-    return t.cpu().numpy() if is_numpy else t
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,8 +131,6 @@ def npz_images(path, key: str = "arr_0", min_count: int | None = None, what: str
 
 def load_image_folder(folder) -> np.ndarray:
     """All PNG/JPG files under ``folder`` (recursive, sorted by path), as uint8 RGB [N, H, W, 3]."""
-    from PIL import Image
-
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
@@ -208,8 +190,6 @@ def compute_features(extractor, images, batch_size: int = 64, limit: int | None 
     features are not kept: ``{key + '_stats': (mu, sigma)}`` instead (sFID's 50,000 x 2023 features
     would otherwise take 400 MB of host memory for two statistics).
     """
-    from evaluations.metrics import RunningStatistics
-
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = extractor_device(extractor)
@@ -218,8 +198,6 @@ def compute_features(extractor, images, batch_size: int = 64, limit: int | None 
     running = {key: RunningStatistics() for key in stats_keys}
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, desc=desc, unit="img", dynamic_ncols=True)
     done = 0
     with torch.no_grad():

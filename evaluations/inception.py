@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from errors import UserError
+from tread_utils.errors import UserError
 
 WEIGHTS_FILENAME = "pt_inception-2015-12-05-6726825d.pth"
 WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/" + WEIGHTS_FILENAME

@@ -35,4 +35,4 @@ RATIOS=${RATIOS:-0.25,0.75}
 "$PYTHON" train.py -m run_name=ratio model.params.routes.0.selection_ratio=$RATIOS "${budget[@]}" "$@"
 
 # 3. table + plots: $REPORT/report.md, report.csv, fid_vs_step, fid_vs_time, route_placement (.png, .svg)
-"$PYTHON" report.py "$RESULTS/compare" "$RESULTS/ratio" --out "$REPORT"
+"$PYTHON" -m tools.report "$RESULTS/compare" "$RESULTS/ratio" --out "$REPORT"

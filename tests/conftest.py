@@ -27,8 +27,13 @@ def subprocess_env():
     return env
 
 
+def command(script) -> list:
+    """A root script by file name (`train.py`), or a packaged tool by module name (`tools.bench`)."""
+    return [str(REPO / script)] if script.endswith(".py") else ["-m", script]
+
+
 def run_script(script, *args, timeout=300, check=False):
-    proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO, env=subprocess_env(),
+    proc = subprocess.run([sys.executable, *command(script), *map(str, args)], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

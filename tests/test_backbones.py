@@ -4,7 +4,7 @@ import torch
 
 from conftest import run_script
 from dit import get_model
-from flops import analytic_training_flops, routing_flop_report, training_step_flops
+from training.flops import analytic_training_flops, routing_flop_report, training_step_flops
 
 
 def ssm_model(routes, enable_routing=True):
@@ -64,7 +64,7 @@ def test_ssm_flops_fall_as_the_report_says():
 
 
 def test_report_command_and_ssm_training(tmp_path):
-    proc = run_script("flops.py", "model=tread", check=True)
+    proc = run_script("training.flops", "model=tread", check=True)
     assert "speed-up bound 1.4" in proc.stdout and "tokens per block [64, 64, 32" in proc.stdout
     proc = run_script("train.py", f"results_dir={tmp_path}", "run_name=dis", "model=tread",
                       "model.backbone_type=DiS-T/2", "+model.params.depth=4", "+model.params.hidden_size=32",

@@ -14,8 +14,8 @@ import torch
 
 from conftest import assert_one_line_error, run_script
 from dit import get_model  # imported before the stand-in, as in bench.py (the stand-in builds on it)
-from errors import UserError
-from paper_code import build_paper_model, load_our_weights, load_paper_dit
+from tread_utils.errors import UserError
+from tools.paper_code import build_paper_model, load_our_weights, load_paper_dit
 
 ROUTING = """
     CALLS = []
@@ -77,7 +77,7 @@ def test_paper_code_weight_names_are_checked(paper_repo):
 
 def test_bench_times_ours_and_the_paper_code_in_one_run(paper_repo, tmp_path):
     out = tmp_path / "bench.json"
-    run_script("bench.py", "--backbones", "DiT-T/8", "--batch-sizes", "2", "--steps", "2", "--warmup", "1",
+    run_script("tools.bench", "--backbones", "DiT-T/8", "--batch-sizes", "2", "--steps", "2", "--warmup", "1",
                "--sections", "training", "--paper-code", paper_repo, "--out", out, check=True)
     rows = json.loads(out.read_text())["training"]
     variants = [(r["code"], r["mode"], r["model"]) for r in rows]
@@ -94,7 +94,7 @@ def test_bench_times_ours_and_the_paper_code_in_one_run(paper_repo, tmp_path):
 
 def test_bench_evaluation_sections_run_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
-    run_script("bench.py", "--backbones", "DiT-T/8", "--sections", "suite", "metrics", "fid",
+    run_script("tools.bench", "--backbones", "DiT-T/8", "--sections", "suite", "metrics", "fid",
                "--suite-samples", "8", "--suite-ref", "4", "--suite-batch", "4", "--tmp-dir", tmp_path,
                "--fid-samples", "2", "--fid-steps", "2", "--fid-batch", "2", "--out", out, check=True, timeout=600)
     result = json.loads(out.read_text())
@@ -115,13 +115,13 @@ def test_bench_evaluation_sections_run_end_to_end(tmp_path):
     (lambda p: (p / "dit.py").write_text("import not_a_module\n") and p, "importing"),
 ])
 def test_bench_rejects_a_bad_paper_code_folder(paper_repo, make_bad, needle):
-    proc = run_script("bench.py", "--backbones", "DiT-T/8", "--sections", "training",
+    proc = run_script("tools.bench", "--backbones", "DiT-T/8", "--sections", "training",
                       "--paper-code", make_bad(paper_repo))
     assert_one_line_error(proc, needle)
 
 
 def test_bench_rejects_an_unknown_backbone():
-    assert_one_line_error(run_script("bench.py", "--backbones", "DiT-Q/2"), "unknown backbone")
+    assert_one_line_error(run_script("tools.bench", "--backbones", "DiT-Q/2"), "unknown backbone")
 
 
 def test_position_embedding_has_dits_layout():

@@ -4,11 +4,13 @@ import pytest
 import torch
 
 from conftest import save_tiny_vae
-import sampling
-from decoders import IdentityDecoder, SDVAEDecoder, decoder_for
+import generation
+from training import checkpoint as ckpt
+from tread_utils.files import check_output_path
+from data.decoders import IdentityDecoder, SDVAEDecoder, decoder_for
 from dit import get_model
 from edm import EDMPrecond
-from errors import UserError
+from tread_utils.errors import UserError
 
 RES = 16  # the tiny VAE downsamples by 2: latents 4 x 8 x 8 -> images 16 x 16
 
@@ -66,7 +68,7 @@ def test_generate_imagenet_style_latents_through_the_vae(tiny_vae):
                                       num_heads=2))
     net = EDMPrecond(model).eval()
     decoder = decoder_for({"kind": "shards", "vae": tiny_vae})
-    images, labels = sampling.generate(net, [3, 1, 2], sampler_kwargs={"num_steps": 2}, decoder=decoder,
+    images, labels = generation.generate(net, [3, 1, 2], sampler_kwargs={"num_steps": 2}, decoder=decoder,
                                        batch_size=2, progress=False)
     assert isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.shape == (3, RES, RES, 3)
     assert labels.dtype == np.int64 and set(labels.tolist()) <= {0, 1, 2}

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.digits import load_digits_split  # noqa: E402
 from evaluations.digits_classifier import (WEIGHTS_PATH, accuracy, digits_fid,  # noqa: E402
                                            digits_reference_statistics, evaluate_digits, load_digits_classifier)
-from evaluations.features import latents_to_uint8  # noqa: E402
+from data.images import latents_to_uint8  # noqa: E402
 
 
 @pytest.fixture(scope="module")

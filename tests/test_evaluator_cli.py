@@ -15,7 +15,8 @@ sys.path.insert(0, str(REPO))
 import fid as fid_cli  # noqa: E402
 from evaluations import evaluator, inception  # noqa: E402
 from evaluations.evaluator import evaluate, metrics_from_features  # noqa: E402
-from evaluations.features import NpzImages, compute_features, latents_to_uint8  # noqa: E402
+from data.images import latents_to_uint8  # noqa: E402
+from evaluations.features import NpzImages, compute_features  # noqa: E402
 from evaluations.metrics import feature_statistics, frechet_distance  # noqa: E402
 
 FIVE_LINES = [r"Inception Score: \S+", r"FID: \S+", r"sFID: \S+", r"Precision: \S+", r"Recall: \S+"]

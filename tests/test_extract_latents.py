@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 from conftest import save_tiny_vae
-import extract_latents as xl
+from data import extract_latents as xl
 from data.shards import LatentShardDataset
 from data.vae import SD_VAE_SCALE, decode_latents, encode_moments, load_sd_vae
-from errors import UserError
+from tread_utils.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,7 +114,7 @@ def test_two_processes_match_one(single_run, tiny_vae, images, tmp_path):
     out = str(tmp_path / "out2")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-           os.path.join(ROOT, "extract_latents.py"), images, out, "--vae", tiny_vae, *FLAGS]
+           "-m", "data.extract_latents", images, out, "--vae", tiny_vae, *FLAGS]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -198,7 +198,7 @@ def test_center_crop_arr():
 
 
 def cli(args, **env):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "extract_latents.py"), *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "data.extract_latents", *args], capture_output=True,
                           text=True, cwd=ROOT, env=dict(os.environ, **env), timeout=120)
     return proc.returncode, proc.stderr
 

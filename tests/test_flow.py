@@ -6,7 +6,7 @@ import torch
 
 from conftest import run_script, tiny_overrides
 from edm import edm_sampler
-from flow import FlowPrecond, RFLoss, flow_sampler
+from rectified_flow import FlowPrecond, RFLoss, flow_sampler
 
 
 class GaussianFlow:

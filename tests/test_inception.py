@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from errors import UserError  # noqa: E402
+from tread_utils.errors import UserError  # noqa: E402
 from evaluations import inception  # noqa: E402
 from evaluations.inception import (count_parameters, load_inception,  # noqa: E402
                                    random_init_inception, tf1_resize_bilinear)

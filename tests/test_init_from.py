@@ -1,7 +1,7 @@
 """init_from: a new run starts from another run's weights (the paper's "(F)" fine-tuning without routing)."""
 import torch
 
-from checkpoint import list_checkpoints, load_checkpoint
+from training.checkpoint import list_checkpoints, load_checkpoint
 from conftest import TINY_MODEL, TINY_TRAIN, assert_one_line_error, run_script, tiny_overrides
 
 

@@ -5,7 +5,7 @@ from torch._dynamo.utils import counters
 
 from dit import get_model
 from edm import EDMLoss, EDMPrecond
-from train import update_ema
+from training.loop import update_ema
 
 
 def tiny(**extra):
@@ -55,7 +55,7 @@ def test_foreach_ema_matches_the_formula():
 
 
 def test_training_optimizer_is_fused_and_matches_the_reference_adamw():
-    from optimizer import build_adamw, fused_adamw_available
+    from training.optimizer import build_adamw, fused_adamw_available
 
     a, b = tiny(), tiny()
     opt_fast = build_adamw(a.parameters(), "cpu", lr=1e-3, weight_decay=0.01)

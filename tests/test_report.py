@@ -65,7 +65,7 @@ def test_rerunning_a_sweep_skips_completed_jobs(grid):
 def test_report_lists_every_run_and_draws_the_plots(grid, tmp_path):
     results, _ = grid
     out = tmp_path / "report"
-    proc = run_script("report.py", results / "grid", "--out", out, check=True)
+    proc = run_script("tools.report", results / "grid", "--out", out, check=True)
     rows = {(r["routes"], r["status"]) for r in read_csv(out / "report.csv")}
     assert rows == {("1->2", "completed"), ("1->3", "completed"), ("3->3", "completed"), ("3->2", "failed")}, rows
     for row in read_csv(out / "report.csv"):
@@ -125,7 +125,7 @@ def test_report_with_fid_records_baseline_and_broken_runs(grid, tmp_path):
     (root / "old.replaced-20250101-000000").mkdir()
     (root / "old.replaced-20250101-000000" / "status.json").write_text("{}")
 
-    import report
+    from tools import report
 
     out = tmp_path / "out"
     report.main([str(root), "--out", str(out)])
@@ -149,7 +149,7 @@ def test_report_with_fid_records_baseline_and_broken_runs(grid, tmp_path):
 
 
 def test_elapsed_time_from_timestamps_or_speeds():
-    import report
+    from tools import report
 
     with_time = [{"step": 10, "time": 105.0, "steps_per_sec": 2.0}, {"step": 20, "time": 110.0, "steps_per_sec": 2.0},
                  {"step": 30, "time": 99999.0, "steps_per_sec": 2.0}]  # a restart before the third record
@@ -159,9 +159,9 @@ def test_elapsed_time_from_timestamps_or_speeds():
 
 
 def test_bad_input_is_one_line(tmp_path):
-    assert_one_line_error(run_script("report.py", tmp_path / "missing", "--out", tmp_path / "o"), "not a directory")
+    assert_one_line_error(run_script("tools.report", tmp_path / "missing", "--out", tmp_path / "o"), "not a directory")
     (tmp_path / "empty" / "sub").mkdir(parents=True)
-    proc = run_script("report.py", tmp_path / "empty", "--out", tmp_path / "o")
+    proc = run_script("tools.report", tmp_path / "empty", "--out", tmp_path / "o")
     assert proc.returncode == 2
     assert_one_line_error(proc, "no run directory")
-    assert_one_line_error(run_script("report.py"), "usage")
+    assert_one_line_error(run_script("tools.report"), "usage")

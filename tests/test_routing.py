@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from dit import get_model
-from errors import UserError
-from flops import routing_flop_report
+from tread_utils.errors import UserError
+from training.flops import routing_flop_report
 from routing_module import RouteError, TokenRouter, num_kept, resolve_routes
 
 

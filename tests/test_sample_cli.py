@@ -1,4 +1,4 @@
-"""sample.py and sampling.py: ADM layout, grid, seeds, batch-size and process-count invariance, run
+"""sample.py and generation.py: ADM layout, grid, seeds, batch-size and process-count invariance, run
 directories, guidance options and one-line errors for bad input.
 
 Real subprocesses (started concurrently, to stay fast on 2 cores) cover the reference run, `accelerate
@@ -15,11 +15,13 @@ import torch
 from PIL import Image
 
 import sample
-import sampling
-from checkpoint import list_checkpoints, load_checkpoint
+import generation
+from training import checkpoint as ckpt
+from tread_utils.files import check_output_path
+from training.checkpoint import list_checkpoints, load_checkpoint
 from conftest import REPO, assert_one_line_error, run_script, subprocess_env, tiny_overrides
-from decoders import IdentityDecoder
-from errors import UserError
+from data.decoders import IdentityDecoder
+from tread_utils.errors import UserError
 
 FAST = ["sampler.num_steps=6", "progress=false"]
 
@@ -252,18 +254,18 @@ def test_bad_input_from_the_command_line(cli_runs, case):
 # The importable core (what the in-training evaluation calls)
 
 def test_parse_seeds():
-    assert sampling.parse_seeds("0-4") == [0, 1, 2, 3, 4]
-    assert sampling.parse_seeds("0,5,7") == [0, 5, 7]
-    assert sampling.parse_seeds("0-2,20-21") == [0, 1, 2, 20, 21]
-    assert sampling.parse_seeds(3) == [3]
-    assert sampling.parse_seeds([4, "1-2"]) == [4, 1, 2]
+    assert generation.parse_seeds("0-4") == [0, 1, 2, 3, 4]
+    assert generation.parse_seeds("0,5,7") == [0, 5, 7]
+    assert generation.parse_seeds("0-2,20-21") == [0, 1, 2, 20, 21]
+    assert generation.parse_seeds(3) == [3]
+    assert generation.parse_seeds([4, "1-2"]) == [4, 1, 2]
     for bad in ("", "a", "1-", "-1", "3-1", "1,,2", "1.5", "0-3,2", [-1], True):
         with pytest.raises(UserError, match="seeds"):
-            sampling.parse_seeds(bad)
+            generation.parse_seeds(bad)
 
 
 def test_load_sampling_net_uses_the_ema_of_the_newest_checkpoint(trained_run, newest):
-    net, cfg = sampling.load_sampling_net(trained_run)
+    net, cfg = ckpt.load_sampling_net(trained_run)
     state = load_checkpoint(newest)
     assert cfg == state["config"] and not net.training and net.sigma_data == cfg["diffuser"]["sigma_data"]
     own = net.model.state_dict()
@@ -274,47 +276,47 @@ def test_load_sampling_net_uses_the_ema_of_the_newest_checkpoint(trained_run, ne
 
 
 def test_generate_on_an_in_memory_model(trained_run):
-    net, cfg = sampling.load_sampling_net(trained_run)
+    net, cfg = ckpt.load_sampling_net(trained_run)
     kw = dict(sampler_kwargs={"name": "euler", "num_steps": 3}, decoder=IdentityDecoder(), progress=False)
-    images, labels = sampling.generate(net, [5, 1, 9], batch_size=2, **kw)
+    images, labels = generation.generate(net, [5, 1, 9], batch_size=2, **kw)
     assert images.shape == (3, 16, 16, 3) and images.dtype == np.uint8 and labels.dtype == np.int64
     net.model.train()  # e.g. a model mid-training: sampled in eval mode (no routing), mode restored
-    again, _ = sampling.generate(net, [5, 1, 9], batch_size=3, **kw)
+    again, _ = generation.generate(net, [5, 1, 9], batch_size=3, **kw)
     assert net.model.training
     np.testing.assert_array_equal(images, again)
-    _, fixed = sampling.generate(net, [5, 1, 9], batch_size=3, class_labels=[0, 1, 2], **kw)
+    _, fixed = generation.generate(net, [5, 1, 9], batch_size=3, class_labels=[0, 1, 2], **kw)
     assert fixed.tolist() == [0, 1, 2]
     with pytest.raises(UserError, match="no setting"):
-        sampling.generate(net, [0], sampler_kwargs={"name": "edm", "steps": 3}, decoder=IdentityDecoder())
+        generation.generate(net, [0], sampler_kwargs={"name": "edm", "steps": 3}, decoder=IdentityDecoder())
     with pytest.raises(UserError, match="class labels"):
-        sampling.generate(net, [0], class_labels=11, decoder=IdentityDecoder(), progress=False)
+        generation.generate(net, [0], class_labels=11, decoder=IdentityDecoder(), progress=False)
 
 
 def test_build_guided_net(trained_run):
-    net, _ = sampling.load_sampling_net(trained_run)
-    assert sampling.build_guided_net(net, {}) is net
-    assert sampling.build_guided_net(net, {"cfg_scale": 1.0, "routing_guidance": {"scale": None}}) is net
-    cfg = sampling.build_guided_net(net, {"cfg_scale": 1.5, "guidance_interval": [0.3, 5]}, class_drop_prob=0.1)
+    net, _ = ckpt.load_sampling_net(trained_run)
+    assert generation.build_guided_net(net, {}) is net
+    assert generation.build_guided_net(net, {"cfg_scale": 1.0, "routing_guidance": {"scale": None}}) is net
+    cfg = generation.build_guided_net(net, {"cfg_scale": 1.5, "guidance_interval": [0.3, 5]}, class_drop_prob=0.1)
     assert cfg.scale == 1.5 and cfg.interval == (0.3, 5.0)
-    both = sampling.build_guided_net(net, {"cfg_scale": 2, "routing_guidance": {"scale": 1.5}})
+    both = generation.build_guided_net(net, {"cfg_scale": 2, "routing_guidance": {"scale": 1.5}})
     assert both.net is not net and both.strong_ratio == 0.3 and both.weak_ratio == 0.7
     with pytest.raises(UserError, match="class_drop_prob"):
-        sampling.build_guided_net(net, {"cfg_scale": 2}, class_drop_prob=0)
+        generation.build_guided_net(net, {"cfg_scale": 2}, class_drop_prob=0)
     with pytest.raises(UserError, match="guidance_interval"):
-        sampling.build_guided_net(net, {"cfg_scale": 2, "guidance_interval": [5, 1]})
+        generation.build_guided_net(net, {"cfg_scale": 2, "guidance_interval": [5, 1]})
 
 
 def test_check_output_path_and_atomic_writers(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        sampling.check_output_path(tmp_path / "nope" / "x.npz", ".npz", "out")
+        check_output_path(tmp_path / "nope" / "x.npz", ".npz", "out")
     with pytest.raises(UserError, match=r"\.npz"):
-        sampling.check_output_path(tmp_path / "x.png", ".npz", "out")
+        check_output_path(tmp_path / "x.png", ".npz", "out")
     with pytest.raises(UserError, match="directory"):
-        sampling.check_output_path(tmp_path / "d.npz", ".npz", "out") if (tmp_path / "d.npz").mkdir() is None else 0
+        check_output_path(tmp_path / "d.npz", ".npz", "out") if (tmp_path / "d.npz").mkdir() is None else 0
     images = np.random.default_rng(0).integers(0, 256, (5, 4, 4, 3), dtype=np.uint8)
-    path = sampling.save_samples_npz(tmp_path / "s.npz", images, [1, 2, 3, 4, 5])
+    path = generation.save_samples_npz(tmp_path / "s.npz", images, [1, 2, 3, 4, 5])
     data = load_npz(path)
     assert data["arr_1"].dtype == np.int64 and np.array_equal(data["arr_0"], images)
-    grid = sampling.image_grid(images, max_images=4)
+    grid = generation.image_grid(images, max_images=4)
     assert grid.shape == (8, 8, 3) and np.array_equal(grid[4:, 4:], images[3])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz", "s.npz"]

@@ -7,7 +7,7 @@ import torch
 
 from edm.sampler import (SAMPLERS, StackedRandomGenerator, ablation_sampler, edm_sampler, edm_time_steps,
                          euler_sampler, sampler_from_config)
-from errors import UserError
+from tread_utils.errors import UserError
 
 
 class TinyDenoiser(torch.nn.Module):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data.shards import SIDECAR_EXT, LatentShardDataset
-from errors import UserError
+from tread_utils.errors import UserError
 
 C, S, K = 4, 8, 10  # channels, latent side, classes
 SCALE = 0.18215

@@ -105,8 +105,8 @@ def test_reproduce_script_runs_the_documented_sweeps(tmp_path):
     env = {**subprocess_env(), "PYTHON": str(fake), "RESULTS": "res", "REPORT": "rep"}
     subprocess.run(["bash", str(REPO / "scripts" / "reproduce_digits.sh")], env=env, check=True, timeout=60)
     calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()]
-    assert [c[0] for c in calls] == ["train.py", "train.py", "report.py"]
-    assert calls[2] == ["report.py", "res/compare", "res/ratio", "--out", "rep"]
+    assert [c[0] for c in calls] == ["train.py", "train.py", "-m"]
+    assert calls[2] == ["-m", "tools.report", "res/compare", "res/ratio", "--out", "rep"]
     runs = {}
     for call in calls[:2]:
         assert call[1] == "-m"

@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from checkpoint import list_checkpoints, load_checkpoint
+from training.checkpoint import list_checkpoints, load_checkpoint
 from conftest import REPO, assert_one_line_error, run_script, subprocess_env, tiny_overrides
 from dit import get_model
 

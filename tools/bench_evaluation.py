@@ -1,4 +1,4 @@
-"""Evaluation sections of bench.py: what scoring samples costs.
+"""Evaluation sections of tools/bench.py: what scoring samples costs.
 
 - evaluator: images/s of the Inception port's feature pass (all three heads, 256 x 256 inputs).
 - suite: ADM's whole evaluation, `python -m evaluations.evaluator REF SAMPLES`, run as its own process
@@ -24,7 +24,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent
+from data.decoders import SDVAEDecoder
+from data.vae import load_sd_vae, random_sd_vae
+from dit import get_model
+from edm import EDMPrecond
+from evaluations.evaluator import metrics_from_features
+from evaluations.features import compute_features
+from evaluations.inception import load_inception
+from evaluations.metrics import RunningStatistics, feature_statistics, frechet_distance
+from generation import generate
+
+REPO = Path(__file__).resolve().parent.parent
 IMAGENET_LATENT = dict(num_classes=1000, in_channels=4, input_size=32)
 
 
@@ -35,7 +45,7 @@ def peak_rss_mb() -> float:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
     except (OSError, StopIteration):
-        import resource
+        import resource  # not on every platform; only needed where /proc is missing
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
@@ -49,8 +59,6 @@ def sync(device):
 def bench_evaluator(args, device):
     """Inception feature extraction (the evaluator's cost per image), a randomly initialised network of the
     exact FID Inception shape on 256x256 uint8 images."""
-    from evaluations.inception import load_inception
-
     net = load_inception(device=device, random_init=True)
     images = torch.randint(0, 256, (args.eval_batch, 256, 256, 3), dtype=torch.uint8, device=device)
     net(images[:2])
@@ -79,7 +87,7 @@ def write_random_batch(path, count, seed, size=256, chunk=512):
 # Runs the evaluator CLI and reports its own peak RSS (MB) on stderr as it exits.
 _MEASURED_EVALUATOR = """
 import atexit, runpy, sys
-from bench_eval import peak_rss_mb
+from tools.bench_evaluation import peak_rss_mb
 atexit.register(lambda: print("peak_rss_mb", peak_rss_mb(), file=sys.stderr))
 sys.argv[0] = "evaluator"
 runpy.run_module("evaluations.evaluator", run_name="__main__", alter_sys=True)
@@ -112,9 +120,6 @@ def metric_stage(num_samples, num_ref, device="cpu", seed=0):
     """ADM's metrics on random features shaped like the Inception port's; prints one JSON line with the
     seconds and this process's peak RSS. Features are kept as the evaluator keeps them (pool and logits
     arrays, sFID as running statistics)."""
-    from evaluations.evaluator import metrics_from_features
-    from evaluations.metrics import RunningStatistics, feature_statistics
-
     rng = np.random.default_rng(seed)
     pool, logits = np.empty((num_samples, 2048), np.float32), np.empty((num_samples, 1008), np.float32)
     spatial = RunningStatistics()
@@ -133,7 +138,7 @@ def metric_stage(num_samples, num_ref, device="cpu", seed=0):
 
 
 def bench_metrics(args, device):
-    code = f"from bench_eval import metric_stage; metric_stage({args.suite_samples}, {args.suite_ref}, '{device}')"
+    code = f"from tools.bench_evaluation import metric_stage; metric_stage({args.suite_samples}, {args.suite_ref}, '{device}')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the metric stage failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -166,15 +171,6 @@ class TimedDecoder:
 @torch.no_grad()
 def bench_training_fid(args, device, dtype):
     """FID on `--fid-samples` images as train.eval computes it, per backbone, with each stage timed."""
-    from data.vae import load_sd_vae, random_sd_vae
-    from decoders import SDVAEDecoder
-    from dit import get_model
-    from edm import EDMPrecond
-    from evaluations.features import compute_features
-    from evaluations.inception import load_inception
-    from evaluations.metrics import feature_statistics, frechet_distance
-    from sampling import generate
-
     vae = random_sd_vae(device) if args.vae == "random" else load_sd_vae(args.vae, device=device)
     decoder = SDVAEDecoder(vae, decode_batch_size=args.fid_batch)
     inception = load_inception(device=device, random_init=True)

@@ -1,4 +1,4 @@
-"""The optimizer of train.py and bench.py: AdamW with the fastest implementation the device offers.
+"""The optimizer of train.py and tools/bench.py: AdamW with the fastest implementation the device offers.
 
 The fused kernel exists for CUDA and, since torch 2.4, for the CPU, where torch's default is a
 per-tensor loop. Its cost matters for TREAD: the optimizer step does not shrink with the routed

@@ -1,7 +1,7 @@
 """FLOP and memory report for a backbone and its routes.
 
-    python flops.py model=tread dataset=imagenet256          # the configured model, per-GPU batch 1
-    python flops.py model=tread model.backbone_type=DiT-XL/2 model.params.routes.0.end_layer_idx=24
+    python -m training.flops model=tread dataset=imagenet256          # the configured model, per-GPU batch 1
+    python -m training.flops model=tread model.backbone_type=DiT-XL/2 model.params.routes.0.end_layer_idx=24
 
 Two independent counts of one training step (forward + backward): `training_step_flops` measures it
 with torch.utils.flop_counter on meta tensors (no memory, no compute), `analytic_training_flops`
@@ -9,11 +9,14 @@ adds up the matmuls of every block from the token count it sees. The report also
 the speed-up routing can bring and an estimate of the activation memory it saves. FLOPs, not MACs:
 the paper's "Gflops" are MACs (a training step costs about 3 x 2 x those).
 """
+import hydra
 import torch
+from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from dit import DiT_models, get_model
 from routing_module import num_kept, resolve_routes
+from tread_utils.errors import UserError, exit_with
 
 
 def training_step_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True) -> int:
@@ -105,12 +108,7 @@ def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
 
 
 def main():
-    import hydra
-    from omegaconf import OmegaConf
-
-    from errors import UserError, exit_with
-
-    @hydra.main(config_path="configs", config_name="config", version_base="1.3")
+    @hydra.main(config_path="../configs", config_name="config", version_base="1.3")
     def report(cfg):
         try:
             params = OmegaConf.to_container(cfg.model.params, resolve=True)

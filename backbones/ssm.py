@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Mlp
 
+from backbones.adaln import modulate
+
 
 class BidirectionalSSM(nn.Module):
     def __init__(self, dim, state_size=16, dt_min=1e-3, dt_max=1e-1):
@@ -59,8 +61,6 @@ class SSMBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, x, c):
-        from dit import modulate  # dit.py imports this module lazily, so no import cycle at load time
-
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
         h = modulate(self.norm1(x), shift1, scale1)
         u, z = self.in_proj(h).chunk(2, dim=-1)

@@ -1,6 +1,6 @@
 """Train the digits feature network (evaluations/digits_classifier.py) on the digits 'train' split.
 
-    python evaluations/train_digits_classifier.py [--out evaluations/digits_classifier.pt]
+    python -m tools.train_digits_classifier [--out evaluations/digits_classifier.pt]
                                                   [--epochs 40] [--seed 0]
 
 CPU, about half a minute (one thread). Augmentation (small random rotations/scalings/shifts, contrast changes,
@@ -10,7 +10,6 @@ below 97%. The weights file (a float32 state dict, under 1 MB) is committed with
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -22,9 +21,11 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
-from errors import UserError, report_user_errors
+from data.digits import load_digits_split
+from data.images import latents_to_uint8
 from evaluations.digits_classifier import WEIGHTS_PATH, DigitsClassifier, accuracy
-from evaluations.features import latents_to_uint8
+from tread_utils.errors import UserError, report_user_errors
+from tread_utils.files import ArgumentParser, positive_int
 
 MIN_ACCURACY = 0.97
 
@@ -51,8 +52,6 @@ def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 def train(epochs: int = 40, batch_size: int = 64, lr: float = 2e-3, seed: int = 0, log=print) -> DigitsClassifier:
-    from data.digits import load_digits_split
-
     images, labels = load_digits_split("train", resolution=16)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -82,17 +81,15 @@ def train(epochs: int = 40, batch_size: int = 64, lr: float = 2e-3, seed: int = 
 
 @report_user_errors
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Train the digits feature network for toy-scale FID.")
+    p = ArgumentParser(description="Train the digits feature network for toy-scale FID.")
     p.add_argument("--out", default=str(WEIGHTS_PATH), help="weights file to write")
-    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--epochs", type=positive_int, default=40)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (1 is fastest for this tiny network, and robust to a busy machine)")
     args = p.parse_args(argv)
     if args.epochs < 1:
         raise UserError(f"--epochs must be >= 1, got {args.epochs}")
-    from data.digits import load_digits_split
-
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     t0 = time.time()

@@ -1,10 +1,10 @@
 """Precompute SD-VAE latents of ImageNet (or any class-folder image set) into webdataset tar shards.
 
-    python extract_latents.py /data/imagenet/train /data/latents256 [--resolution 256] [--vae ID_OR_DIR]
-    accelerate launch --multi_gpu --num_processes 8 extract_latents.py /data/imagenet/train /data/latents256
-    (CPU-only machine: `accelerate launch --multi_gpu --num_processes 2 extract_latents.py ... --cpu` runs two
+    python -m data.extract_latents /data/imagenet/train /data/latents256 [--resolution 256] [--vae ID_OR_DIR]
+    accelerate launch --multi_gpu --num_processes 8 -m data.extract_latents /data/imagenet/train /data/latents256
+    (CPU-only machine: `accelerate launch --multi_gpu --num_processes 2 -m data.extract_latents ... --cpu` runs two
      processes; `accelerate launch --cpu` starts a single one)
-    python extract_latents.py convert-maskdit /data/imagenet_256_latent_lmdb/train /data/latents256
+    python -m data.extract_latents convert-maskdit /data/imagenet_256_latent_lmdb/train /data/latents256
 
 SOURCE is a folder with one sub-folder per class (classes sorted by name -> label 0, 1, ...) or a list
 file of `path label` lines (relative paths are relative to the list file). Every image gets the ADM centre
@@ -29,11 +29,13 @@ import tarfile
 import tempfile
 
 import numpy as np
+from accelerate import PartialState
 import torch
 from PIL import Image
 
 from data.vae import DEFAULT_VAE, SD_VAE_SCALE, encode_moments, load_sd_vae, vae_downsample_factor
-from errors import UserError, report_user_errors
+from tread_utils.errors import UserError, report_user_errors
+from tread_utils.files import ArgumentParser, positive_int
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm", ".pbm")
 SHARD_PREFIX = "latents"
@@ -427,19 +429,17 @@ def convert_maskdit(src, out, *, pairs=True, shard_size=None, max_images=None):
 # Command line
 
 def _extract_main(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="ImageNet-style folder (one sub-folder per class) or a `path label` list file")
     p.add_argument("out", help="output folder for the tar shards and manifest.json")
-    p.add_argument("--resolution", type=int, default=256, help="centre-crop size (256 or 512; default 256)")
+    p.add_argument("--resolution", type=positive_int, default=256, help="centre-crop size (256 or 512; default 256)")
     p.add_argument("--vae", default=DEFAULT_VAE, help=f"diffusers VAE repo id or local folder (default {DEFAULT_VAE})")
-    p.add_argument("--shard-size", type=int, default=None, help="samples per shard (default: ~1 GB shards)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per encoder batch (per process)")
+    p.add_argument("--shard-size", type=positive_int, default=None, help="samples per shard (default: ~1 GB shards)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="images per encoder batch (per process)")
     p.add_argument("--num-workers", type=int, default=4, help="image decoding workers per process")
-    p.add_argument("--max-images", type=int, default=None, help="encode only this many (a fixed spread-out subset)")
+    p.add_argument("--max-images", type=positive_int, default=None, help="encode only this many (a fixed spread-out subset)")
     p.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
     args = p.parse_args(argv)
-    from accelerate import PartialState
-
     # ranks may finish far apart (a resumed run leaves some ranks little to do): a barrier timeout of a day
     state = PartialState(cpu=args.cpu, timeout=datetime.timedelta(hours=24))
     if not os.path.exists(args.source):
@@ -457,15 +457,15 @@ def _extract_main(argv):
 
 
 def _convert_main(argv):
-    p = argparse.ArgumentParser(prog="extract_latents.py convert-maskdit",
+    p = ArgumentParser(prog="python -m data.extract_latents convert-maskdit",
                                 description="Convert MaskDiT's released latents (LMDB folder with data.mdb, or "
                                             ".npz/.npy arrays of 8-channel moments) into tar shards.")
     p.add_argument("source", help="MaskDiT LMDB folder (e.g. imagenet_256_latent_lmdb/train) or array folder")
     p.add_argument("out", help="output folder")
     p.add_argument("--no-flip-pairs", action="store_true",
                    help="LMDB only: do not pair entry i with its x-flip i + length/2; store every entry alone")
-    p.add_argument("--shard-size", type=int, default=None, help="samples per shard (default: ~1 GB shards)")
-    p.add_argument("--max-images", type=int, default=None, help="convert only the first this many")
+    p.add_argument("--shard-size", type=positive_int, default=None, help="samples per shard (default: ~1 GB shards)")
+    p.add_argument("--max-images", type=positive_int, default=None, help="convert only the first this many")
     args = p.parse_args(argv)
     _summary(args.out, convert_maskdit(args.source, args.out, pairs=not args.no_flip_pairs,
                                        shard_size=args.shard_size, max_images=args.max_images))

@@ -13,7 +13,9 @@ import os
 
 import torch
 
-from errors import UserError
+from data.images import latents_to_uint8
+from data.vae import SD_VAE_SCALE, decode_latents, load_sd_vae
+from tread_utils.errors import UserError
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 
@@ -36,8 +38,6 @@ class IdentityDecoder:
     """
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        from evaluations.features import latents_to_uint8  # one conversion for decoding and evaluation
-
         return latents_to_uint8(latents.detach().cpu())
 
     __call__ = decode
@@ -53,8 +53,6 @@ class SDVAEDecoder:
     """
 
     def __init__(self, vae=DEFAULT_VAE, device="cpu", dtype=torch.float32, scale=None, decode_batch_size=32):
-        from data.vae import SD_VAE_SCALE, load_sd_vae
-
         if isinstance(vae, (str, os.PathLike)):
             vae = load_sd_vae(os.fspath(vae), device=device, dtype=dtype)
         elif not isinstance(vae, torch.nn.Module):
@@ -66,8 +64,6 @@ class SDVAEDecoder:
         self.decode_batch_size = int(decode_batch_size)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        from data.vae import decode_latents
-
         chunks = [decode_latents(self.vae, part, scale=self.scale)
                   for part in latents.detach().split(self.decode_batch_size)]
         return torch.cat(chunks) if chunks else torch.zeros(0, 0, 0, 3, dtype=torch.uint8)
@@ -83,9 +79,15 @@ def decoder_for(dataset_cfg, vae=None, device="cpu", dtype=torch.float32):
     and `dataset.scale_factor` (default 0.18215) as the latent scale.
     """
     kind = _get(dataset_cfg, "kind")
-    if kind == "digits":
-        return IdentityDecoder()
-    if kind == "shards":
-        return SDVAEDecoder(vae if vae is not None else _get(dataset_cfg, "vae", DEFAULT_VAE), device=device,
-                            dtype=dtype, scale=_get(dataset_cfg, "scale_factor"))
-    raise UserError(f"no decoder for dataset.kind {kind!r}; known kinds: 'digits' (identity), 'shards' (SD-VAE)")
+    if kind not in DECODERS:
+        raise UserError(f"no decoder for dataset.kind {kind!r}; known kinds: {', '.join(DECODERS)}")
+    return DECODERS[kind](dataset_cfg, vae, device, dtype)
+
+
+# dataset.kind -> decoder(dataset_cfg, vae, device, dtype)
+DECODERS = {
+    "digits": lambda d, vae, device, dtype: IdentityDecoder(),
+    "shards": lambda d, vae, device, dtype: SDVAEDecoder(vae if vae is not None else _get(d, "vae", DEFAULT_VAE),
+                                                          device=device, dtype=dtype,
+                                                          scale=_get(d, "scale_factor")),
+}

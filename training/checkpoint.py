@@ -3,7 +3,7 @@
 A checkpoint is one file `checkpoints/ckpt_{step:08d}.pt` holding the model and EMA weights, the
 optimizer (and grad scaler) state, the step, every rank's RNG states and the run's resolved config.
 The data position is the step itself (see `data.ResumableBatchSampler`). `checkpoints/latest`
-names the newest file.
+names the newest file. `load_sampling_net` turns a checkpoint into the EMA denoiser that sampling uses.
 """
 import os
 import random
@@ -12,8 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
-from errors import UserError
+from dit import get_model
+from training.diffuser import build_denoiser
+from tread_utils.errors import UserError
+from tread_utils.files import atomic_write, atomic_write_text
 
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 PREFIXES = ("_orig_mod.", "module.")
@@ -37,15 +41,8 @@ def save_checkpoint(state: dict, ckpt_dir, step: int) -> Path:
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(ckpt_dir, step)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    latest_tmp = ckpt_dir / f".latest.tmp{os.getpid()}"
-    latest_tmp.write_text(path.name + "\n")
-    os.replace(latest_tmp, ckpt_dir / "latest")
+    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write_text(ckpt_dir / "latest", path.name + "\n")
     return path
 
 
@@ -128,3 +125,47 @@ def restore_rng_state(state: dict) -> None:
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoint -> EMA denoiser, for sampling
+
+def net_from_state(state: dict, source="checkpoint", device="cpu"):
+    """(the run's denoiser (EDMPrecond, or FlowPrecond for diffuser=rf) around the EMA backbone, in eval
+    mode on `device`; the run's config dict) from a checkpoint dict read by `load_checkpoint`."""
+    cfg = state.get("config")
+    if not isinstance(cfg, dict) or "model" not in cfg or "diffuser" not in cfg:
+        raise UserError(f"checkpoint {source} holds no run config (model/diffuser); it was not written by train.py")
+    if "ema" not in state:
+        raise UserError(f"checkpoint {source} holds no EMA weights")
+    try:
+        model = get_model(cfg["model"]["backbone_type"], cfg["model"]["params"])
+        diffuser = OmegaConf.create({"name": "edm", **cfg["diffuser"]})
+    except (KeyError, TypeError) as e:
+        raise UserError(f"checkpoint {source} has an incomplete model/diffuser config ({e!r} missing)") from None
+    load_model_state(model, state["ema"], source)
+    model.requires_grad_(False).eval()
+    net = build_denoiser(diffuser, model).to(device).eval()
+    return net, cfg
+
+
+def load_sampling_net(ckpt_path, device="cpu"):
+    """(EMA denoiser `EDMPrecond` in eval mode on `device`, the run's resolved config as a dict).
+
+    `ckpt_path` is a checkpoint file or a run directory (its newest checkpoint). Missing, corrupt or
+    foreign checkpoints raise a one-line `UserError`.
+    """
+    path = resolve_checkpoint(ckpt_path)
+    return net_from_state(read_checkpoint(path), path, device)
+
+
+def read_checkpoint(path) -> dict:
+    """`load_checkpoint`, with advice for sampling rather than for resuming a run."""
+    try:
+        return load_checkpoint(path)
+    except UserError as e:
+        message = str(e)
+        cut = message.find(" - move it away")
+        if cut < 0:
+            raise
+        raise UserError(message[:cut] + "; pass another checkpoint file or run directory") from None

@@ -1,8 +1,7 @@
-"""The reusable core of sampling: checkpoints -> EMA denoiser, guidance, per-seed generation over processes.
+"""Per-seed generation over processes, with guidance: the core that `sample.py` and the in-training
+evaluation share.
 
-Used by `sample.py` (the CLI) and by the in-training FID evaluation:
-
-    net, cfg = load_sampling_net("results/run", device)          # or EDMPrecond(ema_model, sigma_data)
+    net, cfg = load_sampling_net("results/run", device)          # training.checkpoint; or EDMPrecond(ema, ...)
     net = build_guided_net(net, {"cfg_scale": 1.0}, class_drop_prob=...)
     images, labels = generate(net, range(5000), sampler_kwargs={"name": "edm", "num_steps": 40},
                               decoder=decoder_for(cfg["dataset"]), batch_size=64, device=device,
@@ -16,108 +15,22 @@ gives the same batches (hence bit-identical samples) for any number of processes
 """
 import contextlib
 import math
-import os
-from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+import torch.distributed as dist
 from tqdm import tqdm
 
-import checkpoint as ckpt
 from edm.guidance import ClassifierFreeGuidance, RoutingGuidance
-from edm.sampler import StackedRandomGenerator, sampler_from_config
-from errors import UserError
-from objectives import build_denoiser
+from edm.sampler import SAMPLERS as EDM_SAMPLERS
+from edm.sampler import StackedRandomGenerator, bind_sampler
+from rectified_flow import flow_sampler
+from tread_utils.errors import UserError
 
 DEFAULT_SAMPLER = {"name": "edm", "num_steps": 40}  # the paper's in-training evaluation: Heun, 40 steps
-MAX_SEED = 2 ** 63 - 1
-
-
-# ----------------------------------------------------------------------------------------------------
-# Seeds
-
-def parse_seeds(spec) -> list:
-    """'0-49999', '0,5,7', '0-9,20-29', an int, or a list of ints / such strings -> list of seeds, in order.
-
-    Ranges are inclusive. Seeds are non-negative integers, each at most once.
-    """
-    if isinstance(spec, bool):
-        raise UserError(f"seeds: expected e.g. 0-49999 or 0,5,7, got {spec!r}")
-    parts = [spec] if isinstance(spec, (str, int)) else list(spec)
-    seeds = []
-    for part in parts:
-        if isinstance(part, int) and not isinstance(part, bool):
-            if part < 0:
-                raise UserError(f"seeds: {part} is negative; seeds are integers >= 0")
-            seeds.append(part)
-            continue
-        for item in str(part).replace(" ", "").split(","):
-            lo, sep, hi = item.partition("-")
-            if not lo.isdigit() or (sep and not hi.isdigit()):
-                raise UserError(f"seeds: cannot read {item!r} in {spec!r}; write seeds like 0-49999, 0,5,7 or "
-                                f"0-9,20-29 (non-negative integers, inclusive ranges)")
-            lo_i, hi_i = int(lo), int(hi) if sep else int(lo)
-            if hi_i < lo_i:
-                raise UserError(f"seeds: range {item!r} ends before it starts")
-            if hi_i > MAX_SEED or hi_i - lo_i >= 100_000_000:
-                raise UserError(f"seeds: range {item!r} is too large")
-            seeds.extend(range(lo_i, hi_i + 1))
-    if not seeds:
-        raise UserError(f"seeds: {spec!r} names no seed")
-    seen = set()
-    for seed in seeds:
-        if seed in seen:
-            raise UserError(f"seeds: seed {seed} appears more than once; duplicate seeds give duplicate samples")
-        seen.add(seed)
-    return seeds
-
-
-# ----------------------------------------------------------------------------------------------------
-# Checkpoints -> EMA denoiser
-
-def net_from_state(state: dict, source="checkpoint", device="cpu"):
-    """(the run's denoiser (EDMPrecond, or FlowPrecond for diffuser=rf) around the EMA backbone in eval mode on `device`, the run's config dict) from a loaded
-    checkpoint dict (see `checkpoint.load_checkpoint`)."""
-    from dit import get_model
-
-    cfg = state.get("config")
-    if not isinstance(cfg, dict) or "model" not in cfg or "diffuser" not in cfg:
-        raise UserError(f"checkpoint {source} holds no run config (model/diffuser); it was not written by train.py")
-    if "ema" not in state:
-        raise UserError(f"checkpoint {source} holds no EMA weights")
-    try:
-        model = get_model(cfg["model"]["backbone_type"], cfg["model"]["params"])
-        diffuser = OmegaConf.create({"name": "edm", **cfg["diffuser"]})
-    except (KeyError, TypeError) as e:
-        raise UserError(f"checkpoint {source} has an incomplete model/diffuser config ({e!r} missing)") from None
-    ckpt.load_model_state(model, state["ema"], source)
-    model.requires_grad_(False).eval()
-    net = build_denoiser(diffuser, model).to(device).eval()
-    return net, cfg
-
-
-def load_sampling_net(ckpt_path, device="cpu"):
-    """(EMA denoiser `EDMPrecond` in eval mode on `device`, the run's resolved config as a dict).
-
-    `ckpt_path` is a checkpoint file or a run directory (its newest checkpoint). Missing, corrupt or
-    foreign checkpoints raise a one-line `UserError`.
-    """
-    path = ckpt.resolve_checkpoint(ckpt_path)
-    return net_from_state(read_checkpoint(path), path, device)
-
-
-def read_checkpoint(path) -> dict:
-    """`checkpoint.load_checkpoint`, with advice for sampling rather than for resuming a run."""
-    try:
-        return ckpt.load_checkpoint(path)
-    except UserError as e:
-        message = str(e)
-        cut = message.find(" - move it away")
-        if cut < 0:
-            raise
-        raise UserError(message[:cut] + "; pass another checkpoint file or run directory") from None
+# sampler.name -> function: EDM's samplers, and Euler/Heun on the velocity ODE for diffuser=rf runs
+SAMPLERS = {**EDM_SAMPLERS, "flow": flow_sampler}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -195,14 +108,16 @@ class _DryNet:
 
 
 def make_sampler(sampler_kwargs: Optional[Mapping] = None):
-    """The sampler described by `sampler_kwargs` = {'name': 'edm' | 'heun' | 'euler' | 'ablation', plus its
+    """The sampler described by `sampler_kwargs` = {'name': one of `SAMPLERS`, plus its
     settings}. Absent name / num_steps mean edm / 40; other absent or null settings, the sampler's own default.
     Unknown names, settings and bad values raise a one-line `UserError` here, before any model call (the
     sampler is run once on a 1-pixel dummy)."""
     given = {k: v for k, v in dict(sampler_kwargs or {}).items() if v is not None}
     kwargs = {**DEFAULT_SAMPLER, **given}
     name = str(kwargs.pop("name", "edm"))
-    fn = sampler_from_config(name, **kwargs)
+    if name not in SAMPLERS:
+        raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(sorted(SAMPLERS))}")
+    fn = bind_sampler(name, SAMPLERS[name], **kwargs)
     try:
         fn(_DryNet(), torch.zeros(1, 1, 1, 1))
     except (ValueError, TypeError, ZeroDivisionError, OverflowError) as e:
@@ -247,8 +162,6 @@ def _seed_routing(net, seed: int):
 def _gather_to_main(obj, world: int, rank: int):
     if world == 1:
         return [obj]
-    import torch.distributed as dist
-
     out = [None] * world if rank == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
@@ -331,71 +244,3 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
                 bar.update(len(labels))
     bar.close()
     return (all_images, all_labels) if rank == 0 else (None, None)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Output files
-
-def check_output_path(path, suffix: str, what: str) -> Path:
-    """Refuse, before any work, an output path that cannot be written: wrong suffix, a directory, a missing
-    or unwritable parent directory (probed by creating and removing a temporary file there)."""
-    import tempfile
-
-    p = Path(str(path)).expanduser()
-    if p.suffix.lower() != suffix:
-        raise UserError(f"{what}={path} must end in {suffix}")
-    if p.is_dir():
-        raise UserError(f"{what}={path} is a directory; give a file name ending in {suffix}")
-    parent = p.parent
-    if not parent.is_dir():
-        problem = "is not a directory" if parent.exists() else "does not exist"
-        raise UserError(f"cannot write {what}={path}: {parent} {problem}")
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{p.name}.probe"):
-            pass
-    except OSError as e:
-        raise UserError(f"cannot write {what}={path}: directory {parent} is not writable ({e.strerror})") from None
-    return p
-
-
-def _atomic_write(path: Path, write):
-    """write(file object) into a hidden temporary file next to `path`, fsync, then rename onto `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
-
-
-def save_samples_npz(path, images: np.ndarray, labels: np.ndarray) -> Path:
-    """The ADM batch layout, written atomically: arr_0 uint8 [N, H, W, 3], arr_1 int64 [N]."""
-    images = np.asarray(images, dtype=np.uint8)
-    labels = np.asarray(labels, dtype=np.int64)
-    return _atomic_write(Path(path), lambda f: np.savez(f, arr_0=images, arr_1=labels))
-
-
-def image_grid(images: np.ndarray, max_images: int = 64) -> np.ndarray:
-    """The first `max_images` of uint8 [N, H, W, 3] tiled row by row into a near-square uint8 image."""
-    images = np.asarray(images)[:max(int(max_images), 1)]
-    n, h, w, c = images.shape
-    cols = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    grid = np.zeros((rows * h, cols * w, c), dtype=np.uint8)
-    for i, image in enumerate(images):
-        r, k = divmod(i, cols)
-        grid[r * h:(r + 1) * h, k * w:(k + 1) * w] = image
-    return grid
-
-
-def save_image_grid(path, images: np.ndarray, max_images: int = 64) -> Path:
-    from PIL import Image
-
-    grid = Image.fromarray(image_grid(images, max_images))
-    return _atomic_write(Path(path), lambda f: grid.save(f, format="PNG"))

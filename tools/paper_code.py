@@ -1,5 +1,5 @@
 """Load the paper's own DiT (github.com/CompVis/tread: dit.py + routing_module.py) from a folder outside
-this repo, so bench.py can time it next to ours in the same run. Nothing of it is copied here.
+this repo, so tools/bench.py can time it next to ours in the same run. Nothing of it is copied here.
 
 Two things stand between the published files and a training step, and both are bridged without
 editing them:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from errors import UserError
+from tread_utils.errors import UserError
 
 PAPER_REPO = "https://github.com/CompVis/tread"
 

@@ -1,6 +1,6 @@
 """Summarise training runs and sweeps: a table (report.md, report.csv) and FID plots (PNG + SVG).
 
-    python report.py results/placement results/compare --out docs/results
+    python -m tools.report results/placement results/compare --out docs/results
 
 Every directory below the given paths that holds a config.yaml or a status.json is a run (train.py
 writes both). Runs that failed, are still running, stopped early or have unreadable files are listed
@@ -20,7 +20,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from errors import exit_with
+from tread_utils.errors import exit_with
 
 SKIP_DIRS = {"checkpoints", "tensorboard", "wandb", "samples", "__pycache__"}
 DEPTHS = {"T": 12, "S": 12, "B": 12, "L": 24, "XL": 28}  # dit.py's registry: <family>-<size>/<patch>
@@ -228,7 +228,7 @@ def md_table(header, rows):
 
 
 def new_figure(width, height):
-    import matplotlib
+    import matplotlib  # loaded only when plotting: the backend must be chosen before pyplot is imported
 
     matplotlib.use("Agg")
     matplotlib.rcParams["svg.fonttype"] = "none"  # SVG text stays text (searchable, editable)
@@ -273,7 +273,7 @@ def plot_curves(runs, out, stem, x_index):
 
 
 def plot_routes(runs, out, base):
-    import matplotlib as mpl
+    import matplotlib as mpl  # see new_figure
 
     rows = sorted((r for r in runs if r["route_list"] and r["final_fid"] is not None),
                   key=lambda r: (r["route_list"], str(r["seed"]), r["run"]))
@@ -352,7 +352,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", help="run directories or folders of runs (searched recursively)")
     parser.add_argument("--out", default="report", help="output folder for report.md, report.csv and plots")
-    parser.error = lambda message: exit_with(f"{message} (usage: python report.py RUN_OR_SWEEP_DIR [...] --out DIR)")
+    parser.error = lambda message: exit_with(f"{message} (usage: python -m tools.report RUN_OR_SWEEP_DIR [...] --out DIR)")
     args = parser.parse_args(argv)
     roots = [Path(p) for p in args.paths]
     missing = [str(p) for p in roots if not p.is_dir()]

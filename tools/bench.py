@@ -1,14 +1,14 @@
 """Benchmarks: training-step time of DiT against TREAD, measured against the FLOP-count bound.
 
-    python bench.py --backbones DiT-S/2 DiT-B/2 --batch-sizes 8 --compile both --paper-code ../tread \
+    python -m tools.bench --backbones DiT-S/2 DiT-B/2 --batch-sizes 8 --compile both --paper-code ../tread \
         --out docs/perf/cpu.json
-    python bench.py --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile --sections training  # one GPU
-    python bench.py --backbones DiT-B/2 --dtype bf16 --sections fid suite   # FID-5K, ADM suite on 50K
+    python -m tools.bench --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile --sections training  # one GPU
+    python -m tools.bench --backbones DiT-B/2 --dtype bf16 --sections fid suite   # FID-5K, ADM suite on 50K
 
 Sections (`--sections`): training (below); sampling (EDM Heun images/s and network evaluations per
 image, unguided / CFG / CFG inside a guidance interval); evaluator (Inception images/s); suite (the
 ADM evaluator end to end on 50K samples, with its peak host memory), metrics (its metric stage alone
-on random features) and fid (in-training FID on 5K samples, stage by stage), all in bench_eval.py.
+on random features) and fid (in-training FID on 5K samples, stage by stage), all in tools/bench_evaluation.py.
 
 For every backbone x batch size x {dit, tread} it times full training steps (EDM loss forward,
 backward, AdamW step), and reports images/s, peak memory, the training-step FLOPs
@@ -17,7 +17,7 @@ device in the same run, and for TREAD the measured speed-up next to the FLOP bou
 The route is 2 -> depth-4 at ratio 0.5 (2 -> 8 for 12 blocks, 2 -> 24 for DiT-XL).
 With `--paper-code DIR` (a clone of github.com/CompVis/tread, never copied here) the paper's own DiT
 is timed in the same run on the same model, batch and data, after checking that it computes our
-function (paper_code.py); all variants of a step run round-robin so load and clock drift fall alike.
+function (tools/paper_code.py); all variants of a step run round-robin so load and clock drift fall alike.
 """
 import argparse
 import contextlib
@@ -29,14 +29,16 @@ from pathlib import Path
 
 import torch
 
-from bench_eval import (IMAGENET_LATENT, bench_evaluator, bench_metrics, bench_suite, bench_training_fid, peak_rss_mb,
-                        sync)
 from dit import DiT_models, get_model
-from edm import EDMLoss, EDMPrecond
-from errors import UserError, report_user_errors
-from flops import training_step_flops
-from optimizer import build_adamw
-from paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
+from edm import EDMLoss, EDMPrecond, edm_sampler
+from edm.guidance import ClassifierFreeGuidance, NFECounter
+from tools.bench_evaluation import (IMAGENET_LATENT, bench_evaluator, bench_metrics, bench_suite, bench_training_fid,
+                                    peak_rss_mb, sync)
+from tools.paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
+from training.flops import training_step_flops
+from training.optimizer import build_adamw
+from tread_utils.errors import UserError, report_user_errors
+from tread_utils.files import ArgumentParser, positive_int
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -191,8 +193,6 @@ GUIDANCE = {"unguided": None, "cfg": dict(scale=1.5), "cfg+interval": dict(scale
 @torch.no_grad()
 def bench_sampling(args, device, dtype):
     """Images/s and backbone evaluations per image of EDM Heun sampling, unguided and with CFG."""
-    from edm import edm_sampler
-    from edm.guidance import ClassifierFreeGuidance, NFECounter
 
     rows = []
     for backbone in args.backbones:
@@ -288,10 +288,10 @@ def training_fid_table(rows):
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backbones", nargs="+", default=["DiT-S/2", "DiT-B/2"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[8])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    parser.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[8])
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype")
     parser.add_argument("--device", default="auto")
@@ -305,29 +305,23 @@ def parse_args():
                         help="write results as JSON here (and a .md beside it), rewritten after every section")
     parser.add_argument("--sections", nargs="+", default=["training", "sampling", "evaluator"],
                         choices=["training", "sampling", "evaluator", "suite", "metrics", "fid"])
-    parser.add_argument("--sample-batch", type=int, default=8)
+    parser.add_argument("--sample-batch", type=positive_int, default=8)
     parser.add_argument("--sample-steps", type=int, default=40, help="EDM Heun steps (NFE 2N-1 unguided)")
-    parser.add_argument("--eval-batch", type=int, default=64)
+    parser.add_argument("--eval-batch", type=positive_int, default=64)
     parser.add_argument("--eval-batches", type=int, default=2)
     parser.add_argument("--suite-samples", type=int, default=50_000, help="suite, metrics: sample images")
     parser.add_argument("--suite-ref", type=int, default=10_000, help="suite, metrics: reference images (ADM's)")
-    parser.add_argument("--suite-batch", type=int, default=250, help="suite: evaluator --batch-size")
+    parser.add_argument("--suite-batch", type=positive_int, default=250, help="suite: evaluator --batch-size")
     parser.add_argument("--tmp-dir", default=None, help="suite: where the random batches are written")
-    parser.add_argument("--fid-samples", type=int, default=5_000, help="fid: samples (train.eval default)")
-    parser.add_argument("--fid-steps", type=int, default=40, help="fid: EDM Heun steps")
-    parser.add_argument("--fid-batch", type=int, default=256, help="fid: sampling / decoding / Inception batch")
+    parser.add_argument("--fid-samples", type=positive_int, default=5_000, help="fid: samples (train.eval default)")
+    parser.add_argument("--fid-steps", type=positive_int, default=40, help="fid: EDM Heun steps")
+    parser.add_argument("--fid-batch", type=positive_int, default=256, help="fid: sampling / decoding / Inception batch")
     parser.add_argument("--vae", default="random",
                         help="fid: 'random' (the SD-VAE architecture, random weights) or a diffusers repo id / folder")
     args = parser.parse_args()
     unknown = [b for b in args.backbones if b not in DiT_models]
     if unknown:
         raise UserError(f"unknown backbone(s) {', '.join(unknown)}; choose from {', '.join(DiT_models)}")
-    counts = ("batch_sizes", "steps", "sample_batch", "eval_batch", "suite_batch", "fid_samples", "fid_steps",
-              "fid_batch")
-    for name in counts:
-        value = getattr(args, name)
-        if min(value if isinstance(value, list) else [value]) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if min(args.suite_samples, args.suite_ref) < 4:
         raise UserError("--suite-samples and --suite-ref must be >= 4 (precision/recall needs k + 1 = 4 images)")
     return args

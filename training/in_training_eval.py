@@ -14,12 +14,35 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoders import decoder_for
-from errors import UserError
+from data.decoders import decoder_for
+from data.digits import load_digits_split
+from evaluations.digits_classifier import digits_reference_statistics, load_digits_classifier
 from evaluations.evaluator import metrics_from_features, reference_from_npz
 from evaluations.features import compute_features
+from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
-from sampling import generate, save_image_grid
+from generation import generate, save_image_grid
+from tread_utils.errors import UserError
+
+
+def digits_scorer(cfg, device):
+    """The shipped digits classifier, against the held-out digits."""
+    extractor = load_digits_classifier(device=device)
+    return extractor, digits_reference_statistics(extractor)
+
+
+def inception_scorer(cfg, device):
+    """The Inception port, against the ADM reference batch `train.eval.ref_batch`."""
+    e = cfg.train.eval
+    if not e.ref_batch:
+        raise UserError("in-training FID on latents needs a reference batch: set train.eval.ref_batch="
+                        "VIRTUAL_imagenet256_labeled.npz (ADM's), or train.eval.eval_interval=0 to turn it off")
+    extractor = load_inception(weights=e.inception_weights, device=device)
+    return extractor, reference_from_npz(e.ref_batch, extractor, progress=False)
+
+
+# dataset.kind -> (feature network, reference statistics)
+SCORERS = {"digits": digits_scorer, "shards": inception_scorer}
 
 
 class TrainingEvaluator:
@@ -38,27 +61,10 @@ class TrainingEvaluator:
         self.decoder = decoder_for(cfg.dataset, device=device)
         self.extractor, self.reference, self.memorisation = None, None, None
         if accelerator.is_main_process:  # only the main process scores
-            self.extractor, self.reference = self._feature_network(cfg, device)
+            self.extractor, self.reference = SCORERS[cfg.dataset.kind](cfg, device)
             if cfg.dataset.kind == "digits":
-                from data.digits import load_digits_split
-
                 self.memorisation = [self.decoder.decode(load_digits_split(split, cfg.dataset.input_size)[0]).numpy()
                                      for split in ("train", "test")]
-
-    def _feature_network(self, cfg, device):
-        if cfg.dataset.kind == "digits":
-            from evaluations.digits_classifier import digits_reference_statistics, load_digits_classifier
-
-            extractor = load_digits_classifier(device=device)
-            return extractor, digits_reference_statistics(extractor)
-        from evaluations.inception import load_inception
-
-        e = cfg.train.eval
-        if not e.ref_batch:
-            raise UserError("in-training FID on latents needs a reference batch: set train.eval.ref_batch="
-                            "VIRTUAL_imagenet256_labeled.npz (ADM's), or train.eval.eval_interval=0 to turn it off")
-        extractor = load_inception(weights=e.inception_weights, device=device)
-        return extractor, reference_from_npz(e.ref_batch, extractor, progress=False)
 
     @torch.no_grad()
     def __call__(self, net, step: int) -> dict:

@@ -1,0 +1,2 @@
+"""Block families beside DiT's attention block (`dit.py` builds every model and holds the registry):
+`ssm` (diffusion state-space blocks, "DiS") and `adaln`, the conditioning arithmetic they share."""

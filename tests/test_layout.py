@@ -1,0 +1,28 @@
+"""The house rules of the layout: five root modules, no import cycle, imports that only point down."""
+import textwrap
+
+from conftest import REPO
+from tools import import_layers
+
+ROOT_MODULES = {"train.py", "sample.py", "fid.py", "dit.py", "routing_module.py"}
+
+
+def test_root_holds_only_the_design_card_modules():
+    assert {p.name for p in REPO.glob("*.py")} == ROOT_MODULES
+
+
+def test_imports_point_down_without_cycles():
+    _, units, problems = import_layers.analyse()
+    assert problems == []
+    assert "training" not in units["generation"] and "data" not in units.get("tread_utils", set())
+
+
+def test_analysis_catches_an_upward_import_and_a_cycle(tmp_path):
+    for name, text in {"tread_utils/__init__.py": "", "tread_utils/a.py": "import dit\n",
+                       "data/__init__.py": "from data import b\n", "data/b.py": "import data.c\n",
+                       "data/c.py": "def f():\n    from data.b import g\n", "dit.py": ""}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    _, _, problems = import_layers.analyse(tmp_path)
+    assert "tread_utils.a imports dit, a layer above it" in problems
+    assert any(p.startswith("import cycle: ") and "data.b" in p and "data.c" in p for p in problems)

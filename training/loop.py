@@ -1,0 +1,316 @@
+"""The training loop, in labelled phases: set-up returns the run's state, the loop body updates weights,
+logs, saves snapshots and evaluates.
+
+Restarting with the same run_name resumes from the newest checkpoint (model, EMA, optimizer, grad scaler,
+step, every rank's RNG state; the data position is the step). SIGTERM/SIGINT save a checkpoint first.
+"""
+import copy
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from data import ResumableBatchSampler, build_dataset
+from dit import get_model
+from training import checkpoint as ckpt
+from training.diffuser import build_denoiser, build_objective
+from training.flops import format_report, routing_flop_report
+from training.in_training_eval import TrainingEvaluator
+from training.optimizer import build_adamw
+from training.run_dir import drop_redone_records, prepare_run_dir
+from training.run_log import MetricsLogger
+from tread_utils.errors import UserError
+
+
+@torch.no_grad()
+def update_ema(ema_params, model_params, decay: float):
+    torch._foreach_lerp_(ema_params, model_params, 1.0 - decay)
+
+
+def check_config(cfg, world_size: int):
+    g = cfg.train.general
+    if g.batch_size % world_size:
+        raise UserError(f"train.general.batch_size={g.batch_size} is not divisible by the {world_size} processes")
+    if not 0.0 <= g.class_drop_prob < 1.0:
+        raise UserError(f"train.general.class_drop_prob must be in [0, 1), got {g.class_drop_prob}")
+    for key in ("max_steps", "ckpt_every"):
+        if cfg.train[key] <= 0:
+            raise UserError(f"train.{key} must be a positive number of steps, got {cfg.train[key]}")
+    if cfg.train.logging.log_interval <= 0:
+        raise UserError(f"train.logging.log_interval must be positive, got {cfg.train.logging.log_interval}")
+
+
+def set_cpu_threads(setting, local_processes: int):
+    """`accelerate launch` sets OMP_NUM_THREADS=1 unless told otherwise; on a CPU run, `auto` gives each
+    local process its share of the cores instead."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, local_processes)) if setting == "auto" else int(setting)
+    torch.set_num_threads(threads)
+
+
+def init_weights(cfg, model, ema, optimizer, is_main):
+    """Start a new run from another run's model and EMA weights, e.g. the paper's "(F)" fine-tuning of a
+    TREAD run without routing: `model=dit init_from=results/tread-digits`. Fresh optimizer unless
+    init_from_optimizer=true."""
+    source = ckpt.resolve_checkpoint(cfg.init_from)
+    state = ckpt.load_checkpoint(source)
+    ckpt.load_model_state(model, state["model"], source)
+    ckpt.load_model_state(ema, state["ema"], source)
+    if cfg.init_from_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    if is_main:
+        print(f"initialised from {source} (step {state['step']}), "
+              f"{'with its optimizer state' if cfg.init_from_optimizer else 'fresh optimizer'}")
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGINT so the loop can checkpoint at a step boundary and exit."""
+
+    def __init__(self):
+        self.signum = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything the loop touches, built by `setup`."""
+    cfg: DictConfig
+    accelerator: Accelerator
+    run_dir: Path
+    model: torch.nn.Module
+    ema: torch.nn.Module
+    net: torch.nn.Module          # the denoiser around the (possibly compiled) model, prepared by accelerate
+    loss_fn: Any
+    optimizer: torch.optim.Optimizer
+    sampler: ResumableBatchSampler
+    data_iter: Any
+    step: int
+    logger: Optional[MetricsLogger] = None
+    evaluator: Optional[TrainingEvaluator] = None
+    eval_net: Optional[torch.nn.Module] = None
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def setup(cfg: DictConfig) -> Run:
+    # Processes. Without a GPU, processes started by torchrun (`accelerate launch --multi_gpu`) train on the
+    # CPU with gloo.
+    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=not torch.cuda.is_available())
+    rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
+                                    accelerator.is_main_process, accelerator.device)
+    check_config(cfg, world)
+    if device.type == "cpu":
+        set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+    # Find the checkpoint to resume from.
+    run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
+    prepare_run_dir(run_dir, cfg.resume, is_main)
+    accelerator.wait_for_everyone()
+    found = ckpt.list_checkpoints(run_dir / "checkpoints") if cfg.resume else []
+    state = ckpt.load_checkpoint(found[-1][1]) if found else None
+
+    # Construct network, EMA, objective and optimizer: identical initial weights on every rank.
+    torch.manual_seed(cfg.global_seed)
+    model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    ema = copy.deepcopy(model).requires_grad_(False).eval()
+    net, loss_fn = build_objective(cfg.diffuser, model)
+    o = cfg.train.optimizer
+    optimizer = build_adamw(model.parameters(), device, lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay)
+
+    # Resume (or start from another run's weights).
+    step = 0
+    if state is not None:
+        source = found[-1][1]
+        ckpt.load_model_state(model, state["model"], source)
+        ckpt.load_model_state(ema, state["ema"], source)
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
+        step = int(state["step"])
+    elif cfg.init_from:
+        init_weights(cfg, model, ema, optimizer, is_main)
+    ema.to(device)
+
+    # Load dataset: the batch sampler starts at the resumed step.
+    dataset = build_dataset(cfg.dataset, seed=cfg.global_seed)
+    sampler = ResumableBatchSampler(len(dataset), cfg.train.general.batch_size // world, rank, world,
+                                    cfg.global_seed, start_step=step)
+    workers = cfg.train.general.num_workers
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                         pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                                         generator=torch.Generator())  # keeps the global RNG untouched
+
+    # Distribute.
+    if cfg.train.compile:
+        net.model = torch.compile(model)
+    net, optimizer = accelerator.prepare(net, optimizer)
+    if state is not None and state.get("scaler") and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+
+    # Random streams: each rank continues its own, or starts one of its own.
+    rng = state["rng"] if state is not None else None
+    if rng is not None and len(rng) == world:
+        ckpt.restore_rng_state(rng[rank])
+    else:
+        torch.manual_seed(cfg.global_seed * 1_000_003 + rank + step)
+        if rng is not None and is_main:
+            print(f"note: checkpoint was written by {len(rng)} processes, now {world}: RNG streams are re-seeded")
+
+    run = Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, sampler, iter(loader), step)
+    if is_main:
+        run.logger = open_run_log(run, resumed_from=found[-1][1] if state is not None else None)
+    if cfg.train.eval.eval_interval and cfg.train.eval.eval_interval > 0:
+        run.evaluator = TrainingEvaluator(cfg, accelerator, run_dir)
+        run.eval_net = build_denoiser(cfg.diffuser, ema)
+    return run
+
+
+def open_run_log(run: Run, resumed_from) -> MetricsLogger:
+    """Main process: the resolved config, metrics.jsonl (cut back to the resumed step), a start-up report."""
+    cfg, world = run.cfg, run.accelerator.num_processes
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run.run_dir / "config.yaml", resolve=True)
+    drop_redone_records(run.run_dir / "metrics.jsonl", run.step)
+    logger = MetricsLogger(run.run_dir, cfg.train.logging.tensorboard, cfg.train.logging.wandb,
+                           OmegaConf.to_container(cfg, resolve=True), cfg.run_name)
+    router = run.model.router
+    n_params = sum(p.numel() for p in run.model.parameters())
+    print(f"{cfg.model.backbone_type} ({cfg.model.name}): {n_params / 1e6:.2f}M parameters, routes "
+          f"{router.routes if router.enable_routing else 'off'}, {world} process(es) on "
+          f"{run.accelerator.device}, global batch {cfg.train.general.batch_size}, run dir {run.run_dir}")
+    print(f"resuming from {resumed_from} at step {run.step}" if resumed_from is not None else "starting at step 0")
+    if router.routes:
+        per_rank_batch = cfg.train.general.batch_size // world
+        params = OmegaConf.to_container(cfg.model.params, resolve=True)
+        report = routing_flop_report(cfg.model.backbone_type, params, per_rank_batch)
+        print(format_report(cfg.model.backbone_type, report, per_rank_batch))
+    return logger
+
+
+def save_snapshot(run: Run, step: int):
+    """Every rank's RNG state is gathered; the main process writes one checkpoint file."""
+    accelerator = run.accelerator
+    rng_states = gather_object([ckpt.capture_rng_state()])
+    if accelerator.is_main_process:
+        payload = {"step": step, "model": run.model.state_dict(), "ema": run.ema.state_dict(),
+                   "optimizer": run.optimizer.state_dict(), "rng": rng_states,
+                   "world_size": accelerator.num_processes,
+                   "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+                   "config": OmegaConf.to_container(run.cfg, resolve=True)}
+        tqdm.write(f"saved {ckpt.save_checkpoint(payload, run.ckpt_dir, step)}")
+    accelerator.wait_for_everyone()
+
+
+def evaluate(run: Run, step: int):
+    scores = run.evaluator(run.eval_net, step)
+    if run.logger is not None:
+        run.logger.log(step, scores)
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+
+
+def training_loop(cfg: DictConfig, end_training: bool = True):
+    """Train until train.max_steps. `end_training=False` keeps the process group alive (one launch that runs
+    a whole Hydra sweep)."""
+    run = setup(cfg)
+    accelerator, device, world = run.accelerator, run.accelerator.device, run.accelerator.num_processes
+    t, o = cfg.train, cfg.train.optimizer
+    num_classes, drop_prob = cfg.model.params.num_classes, t.general.class_drop_prob
+    model_params, ema_params = list(run.model.parameters()), list(run.ema.parameters())
+    stop = StopSignal()
+    loss_sum = torch.zeros((), device=device)
+    bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
+    steps_since_log, t_log = 0, time.time()
+    step = run.step
+    if step >= t.max_steps and accelerator.is_main_process:
+        print(f"run {cfg.run_name} is already complete at step {step}; raise train.max_steps, or start over "
+              f"with resume=false or a new run_name")
+    bar = tqdm(total=t.max_steps, initial=step, disable=not accelerator.is_main_process, dynamic_ncols=True,
+               desc="train")
+    try:
+        while step < t.max_steps:
+            # Update weights.
+            x, y = next(run.data_iter)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            y = torch.where(torch.rand(y.shape, device=device) < drop_prob, torch.full_like(y, num_classes), y)
+            loss = run.loss_fn(run.net, x, y).mean()
+            accelerator.backward(loss)
+            if o.grad_clip:
+                accelerator.clip_grad_norm_(run.model.parameters(), o.grad_clip)
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            # Update EMA.
+            update_ema(ema_params, model_params, t.ema.decay)
+            step += 1
+            loss = loss.detach()
+            loss_sum += loss
+            bad_step = torch.where((bad_step < 0) & ~torch.isfinite(loss), step, bad_step)
+            steps_since_log += 1
+            bar.update(1)
+
+            # Log: the only host sync of a step, every log_interval steps; stop signals are agreed on here.
+            stop_now = stop.signum is not None if world == 1 else False
+            if step % t.logging.log_interval == 0 or step == t.max_steps:
+                mean_loss = (accelerator.reduce(loss_sum, "mean") / steps_since_log).item()
+                if world > 1:
+                    flag = torch.tensor(float(stop.signum is not None), device=device)
+                    stop_now = bool(accelerator.reduce(flag, "max").item())
+                if not math.isfinite(mean_loss):
+                    break
+                if run.logger is not None:
+                    steps_per_sec = steps_since_log / (time.time() - t_log)
+                    run.logger.log(step, {"loss": mean_loss, "steps_per_sec": steps_per_sec,
+                                          "images_per_sec": steps_per_sec * t.general.batch_size,
+                                          "epoch": step / run.sampler.steps_per_epoch, "lr": o.lr,
+                                          "world_size": world})
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{steps_per_sec:.2f}")
+                loss_sum.zero_()
+                steps_since_log, t_log = 0, time.time()
+
+            # Save snapshot (never one with a non-finite loss in it).
+            if step % t.ckpt_every == 0 or step == t.max_steps or stop_now:
+                if int(accelerator.reduce(bad_step, "max").item()) >= 0:
+                    break
+                save_snapshot(run, step)
+
+            # Evaluate.
+            if run.evaluator is not None and (step % t.eval.eval_interval == 0 or step == t.max_steps) \
+                    and not stop_now:
+                evaluate(run, step)
+                t_log = time.time()  # evaluation time is not training time
+            if stop_now:
+                bar.close()
+                print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run the same command to resume")
+                sys.exit(128 + int(stop.signum or 15))
+    finally:
+        bar.close()
+    finish(run, bad_step, end_training)
+
+
+def finish(run: Run, bad_step: torch.Tensor, end_training: bool):
+    if run.logger is not None:
+        run.logger.close()
+    bad = int(run.accelerator.reduce(bad_step, "max").item())
+    if bad >= 0:
+        last = ckpt.list_checkpoints(run.ckpt_dir)
+        kept = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was written"
+        raise UserError(f"the loss became NaN/inf at step {bad}; training stopped and {kept} (untouched); "
+                        f"try a lower train.optimizer.lr, train.optimizer.grad_clip=1.0 or bf16 instead of fp16")
+    if end_training:
+        run.accelerator.end_training()

@@ -1,0 +1,68 @@
+"""Small helpers shared by every command: atomic writes, output-path checks, argparse types."""
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from tread_utils.errors import EXIT_USER_ERROR, UserError
+
+
+def atomic_write(path, write, mode: str = "wb") -> Path:
+    """`write(file)` into a hidden temporary file beside `path`, fsync, then rename it onto `path`:
+    a reader sees the old file or the new one, never half of one, and a crash leaves `path` untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def atomic_write_text(path, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text), mode="w")
+
+
+def check_output_path(path, suffix: str, what: str) -> Path:
+    """Refuse, before any work, an output path that cannot be written: wrong suffix, a directory, a missing
+    or unwritable parent directory (probed by creating and removing a temporary file there)."""
+    p = Path(str(path)).expanduser()
+    if p.suffix.lower() != suffix:
+        raise UserError(f"{what}={path} must end in {suffix}")
+    if p.is_dir():
+        raise UserError(f"{what}={path} is a directory; give a file name ending in {suffix}")
+    parent = p.parent
+    if not parent.is_dir():
+        problem = "is not a directory" if parent.exists() else "does not exist"
+        raise UserError(f"cannot write {what}={path}: {parent} {problem}")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{p.name}.probe"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write {what}={path}: directory {parent} is not writable ({e.strerror})") from None
+    return p
+
+
+def positive_int(value) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors follow the project's convention: one `error:` line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
