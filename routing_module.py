@@ -87,12 +87,21 @@ def num_kept(num_tokens: int, ratio: float) -> int:
     return num_tokens - int(num_tokens * ratio)
 
 
+@torch.compiler.disable
+def _seeded_uniform(B: int, N: int, device, generator: torch.Generator) -> torch.Tensor:
+    """A seeded draw (routing guidance at inference) runs eagerly: dynamo cannot trace a Generator argument."""
+    return torch.rand(B, N, device=device, generator=generator)
+
+
 def select_kept_tokens(x: torch.Tensor, ratio: float, generator: Optional[torch.Generator] = None,
                        selection: str = "random", importance_mix: float = 0.0,
                        force_keep: Optional[torch.Tensor] = None):
     """Indices [B, K] of the tokens that go through the route, sorted so kept tokens keep their order."""
     B, N = x.shape[:2]
-    score = torch.rand(B, N, device=x.device, generator=generator)
+    if generator is None:  # rand_like traces with a symbolic batch size (torch.rand(B, N, generator=None) does not)
+        score = torch.rand_like(x[:, :, 0], dtype=torch.float32, memory_format=torch.contiguous_format)
+    else:
+        score = _seeded_uniform(B, N, x.device, generator)
     if selection == "importance" and importance_mix > 0:
         norm = x.detach().float().abs().sum(-1)
         lo, hi = norm.amin(1, keepdim=True), norm.amax(1, keepdim=True)

@@ -31,6 +31,23 @@ def test_compile_with_routing_compiles_once_without_graph_breaks():
     assert not counters["graph_break"]
 
 
+def test_compile_with_routing_survives_a_changing_batch_size():
+    """A partial last batch or a CFG-doubled batch: dynamo marks the batch dimension dynamic after the
+    second size and must trace the router's draw symbolically: one recompile, then none."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny()
+    net = EDMPrecond(model)
+    net.model = torch.compile(model, backend="eager")
+    graphs = []
+    for batch in (8, 16, 5, 12, 8):
+        x, y = torch.randn(batch, 1, 16, 16), torch.randint(0, 10, (batch,))
+        EDMLoss()(net, x, y).mean().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 2, 2, 2, 2]
+    assert not counters["graph_break"]
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for flag in (False, True):
