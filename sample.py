@@ -103,6 +103,7 @@ def run(cfg) -> None:
     from data.decoders import decoder_for
     from training import checkpoint as ckpt
     from tread_utils.files import check_output_path
+    from tread_utils.precision import set_precision_policy
 
     if OmegaConf.is_missing(cfg, "ckpt") or cfg.ckpt in (None, ""):
         raise UserError("ckpt is required: ckpt=PATH (a checkpoint file or a run directory)")
@@ -121,6 +122,7 @@ def run(cfg) -> None:
     generation.make_sampler(sampler_kwargs)  # unknown sampler, setting or value: refused before loading anything
     path = ckpt.resolve_checkpoint(cfg.ckpt)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    set_precision_policy(bool(cfg.tf32))
     state = ckpt.read_checkpoint(path)
     net, run_cfg = ckpt.net_from_state(state, path, accelerator.device)
     if class_labels is not None and not 0 <= class_labels < net.num_classes:

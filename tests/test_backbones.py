@@ -4,7 +4,7 @@ import torch
 
 from conftest import run_script
 from dit import get_model
-from training.flops import analytic_training_flops, routing_flop_report, training_step_flops
+from training.flops import analytic_training_flops, format_report, routing_flop_report, training_step_flops
 
 
 def ssm_model(routes, enable_routing=True):
@@ -72,3 +72,16 @@ def test_report_command_and_ssm_training(tmp_path):
                       "train.max_steps=4", "train.ckpt_every=4", "train.eval.eval_interval=0",
                       "train.general.batch_size=8", check=True)
     assert "FLOPs per training step (DiS-T/2" in proc.stdout
+
+
+def test_report_states_the_cost_of_the_float32_block_after_a_route():
+    params = dict(num_classes=1000, in_channels=4, input_size=32,
+                  routes=[dict(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=8)])
+    report = routing_flop_report("DiT-B/2", params, batch_size=2)
+    one_block = analytic_training_flops("DiT-B/2", {**params, "routes": []}, 2, routing=False) / 12
+    assert report["fp32_blocks"] == [9]
+    assert report["fp32_flop_fraction"] == pytest.approx(one_block / report["flops_per_step_routed"], rel=0.02)
+    assert "block(s) [9] after the route run in float32" in format_report("DiT-B/2", report, 2)
+    off = routing_flop_report("DiT-B/2", {**params, "fp32_after_route": False}, batch_size=2)
+    assert off["fp32_blocks"] == [] and off["fp32_flop_fraction"] == 0 and "float32" not in format_report(
+        "DiT-B/2", off, 2)

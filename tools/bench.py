@@ -39,6 +39,7 @@ from training.flops import training_step_flops
 from training.optimizer import build_adamw
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.precision import precision_policy, set_precision_policy
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -295,6 +296,7 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--tf32", choices=["on", "off"], default="on", help="train.tf32 / sample.py tf32 (default on)")
     parser.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                         help="torch.compile our backbone (`--compile` = on; `both` times eager and compiled)")
     parser.add_argument("--paper-code", type=Path, default=None,
@@ -334,13 +336,13 @@ def main():
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = DTYPES[args.dtype]
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    set_precision_policy(args.tf32 == "on")  # the trainer's policy (train.tf32), so timings describe it
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU ({torch.get_num_threads()} threads)"
     ceiling = matmul_ceiling(device, dtype)
     print(f"{device_name}: matmul ceiling {ceiling / 1e12:.3f} TFLOP/s ({args.dtype})", flush=True)
-    result = dict(device=device_name, dtype=args.dtype, matmul_ceiling=ceiling, torch=torch.__version__)
+    result = dict(device=device_name, dtype=args.dtype, matmul_ceiling=ceiling, torch=torch.__version__,
+                  precision=precision_policy())
     sections = {
         "training": (lambda: bench_training(args, device, dtype, ceiling, paper_dit),
                      lambda rows: markdown_table(rows, device_name, args.dtype, ceiling)),

@@ -53,23 +53,34 @@ def architecture(backbone_type: str, params: dict) -> dict:
     return arch
 
 
+def block_forward_flops(a: dict, n: int) -> int:
+    """Forward FLOPs of one block over n tokens, one sample (`a` from `architecture`)."""
+    D = a["hidden_size"]
+    mlp = 2 * n * D * int(D * a["mlp_ratio"]) * 2
+    ada = 2 * D * 6 * D
+    if a["block_type"] == "ssm":
+        return 2 * n * D * 2 * D + 2 * n * n * D + 2 * n * D * D + mlp + ada
+    return 2 * n * D * 3 * D + 2 * 2 * n * n * D + 2 * n * D * D + mlp + ada
+
+
+def fp32_blocks(backbone_type: str, params: dict) -> list:
+    """The blocks that run in float32 under autocast: the one right after each route ends, when
+    `fp32_after_route` is on (the authors' default)."""
+    depth = architecture(backbone_type, params)["depth"]
+    if not params.get("fp32_after_route", True):
+        return []
+    return [r.end_layer_idx + 1 for r in resolve_routes(params.get("routes"), depth) if r.end_layer_idx + 1 < depth]
+
+
 def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True) -> int:
     """The same count from formulas: backward costs twice the forward for every matmul, except the
     patch embedding, whose input needs no gradient."""
     a = architecture(backbone_type, params)
     D, p, C = a["hidden_size"], a["patch_size"], params["in_channels"]
-    hidden, N, S = int(D * a["mlp_ratio"]), a["num_tokens"], 16
+    N, S = a["num_tokens"], 16
     routes = resolve_routes(params.get("routes"), a["depth"])
-
-    def block(n):
-        mlp = 2 * n * D * hidden * 2
-        ada = 2 * D * 6 * D
-        if a["block_type"] == "ssm":
-            return 2 * n * D * 2 * D + 2 * n * n * D + 2 * n * D * D + mlp + ada
-        return 2 * n * D * 3 * D + 2 * 2 * n * n * D + 2 * n * D * D + mlp + ada
-
     counts = tokens_per_block(a["depth"], N, routes, routing)
-    per_sample = sum(block(n) for n in counts)
+    per_sample = sum(block_forward_flops(a, n) for n in counts)
     # the SSM's convolution kernels (forward and backward scan) are built once per batch, not per sample
     per_batch = sum(2 * 2 * D * S * n for n in counts) if a["block_type"] == "ssm" else 0
     per_sample += 2 * 256 * D + 2 * D * D                 # timestep MLP
@@ -91,7 +102,10 @@ def routing_flop_report(backbone_type: str, params: dict, batch_size: int) -> di
     routed = training_step_flops(backbone_type, params, batch_size, routing=True)
     dense = training_step_flops(backbone_type, params, batch_size, routing=False)
     a = architecture(backbone_type, params)
+    fp32 = fp32_blocks(backbone_type, params)
+    fp32_flops = batch_size * 3 * block_forward_flops(a, a["num_tokens"]) * len(fp32)
     return {"flops_per_step_dense": dense, "flops_per_step_routed": routed, "flop_speedup_bound": dense / routed,
+            "fp32_blocks": fp32, "fp32_flop_fraction": fp32_flops / routed,
             "analytic_flops_dense": analytic_training_flops(backbone_type, params, batch_size, routing=False),
             "analytic_flops_routed": analytic_training_flops(backbone_type, params, batch_size, routing=True),
             "activation_memory_fraction": activation_memory_fraction(backbone_type, params),
@@ -104,7 +118,10 @@ def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
     return (f"FLOPs per training step ({backbone_type}, batch {batch_size}, forward + backward): dense "
             f"{r['flops_per_step_dense'] / 1e9:.2f} G, routed {r['flops_per_step_routed'] / 1e9:.2f} G -> speed-up "
             f"bound {r['flop_speedup_bound']:.3f}x; block activation memory ~{r['activation_memory_fraction']:.0%} "
-            f"of dense; tokens per block {r['tokens_per_block']}")
+            f"of dense; tokens per block {r['tokens_per_block']}" + (
+                f"; block(s) {r['fp32_blocks']} after the route run in float32 under mixed precision (TF32 "
+                f"matmuls on CUDA unless train.tf32=false): {r['fp32_flop_fraction']:.1%} of the routed step's "
+                f"FLOPs" if r["fp32_blocks"] else ""))
 
 
 def main():

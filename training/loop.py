@@ -30,6 +30,7 @@ from training.optimizer import build_adamw
 from training.run_dir import drop_redone_records, prepare_run_dir
 from training.run_log import MetricsLogger
 from tread_utils.errors import UserError
+from tread_utils.precision import set_precision_policy
 
 
 @torch.no_grad()
@@ -114,6 +115,7 @@ def setup(cfg: DictConfig) -> Run:
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
     check_config(cfg, world)
+    set_precision_policy(cfg.train.tf32)
     if device.type == "cpu":
         set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
