@@ -73,7 +73,7 @@ def model_params(backbone, routed, ratio=0.5):
 def training_step(model, batch, device, dtype, context=contextlib.nullcontext):
     """A closure running one full training step of `model` (EDM loss, backward, AdamW) on fixed data."""
     net, loss_fn = EDMPrecond(model), EDMLoss()
-    optimizer = build_adamw([p for p in model.parameters() if p.requires_grad], device)
+    optimizer = build_adamw([p for p in model.parameters() if p.requires_grad])
     x = torch.randn(batch, 4, 32, 32, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
 

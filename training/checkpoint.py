@@ -107,10 +107,12 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, source) -> None:
 
 
 def capture_rng_state() -> dict:
+    """This process's random streams. On CUDA only the current device's generator: a rank uses its own GPU,
+    and a resume may see fewer GPUs per process than the run that saved."""
     np_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if torch.cuda.is_available() else None,
         "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
                   "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
         "python": random.getstate(),
@@ -119,8 +121,12 @@ def capture_rng_state() -> dict:
 
 def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]
+    if isinstance(cuda, (list, tuple)):  # checkpoints written before: every visible GPU's state, by index
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda = cuda[index] if index < len(cuda) else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
     n = state["numpy"]
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     version, internal, gauss = state["python"]

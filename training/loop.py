@@ -131,8 +131,9 @@ def setup(cfg: DictConfig) -> Run:
     model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     net, loss_fn = build_objective(cfg.diffuser, model)
+    model.to(device)  # before the optimizer: its fused-kernel choice follows the parameters' device
     o = cfg.train.optimizer
-    optimizer = build_adamw(model.parameters(), device, lr=o.lr, betas=o.betas, eps=o.eps,
+    optimizer = build_adamw(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                             weight_decay=o.weight_decay)
 
     # Resume (or start from another run's weights).
