@@ -51,6 +51,17 @@ def assert_one_line_error(proc, *needles):
     return errors[0]
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one process state per interpreter: a test that builds an Accelerator in-process
+    (cpu=True here, CUDA on a GPU machine) must not decide the device of the next one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture
 def repo():
     return REPO

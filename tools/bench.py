@@ -17,17 +17,20 @@ device in the same run, and for TREAD the measured speed-up next to the FLOP bou
 The route is 2 -> depth-4 at ratio 0.5 (2 -> 8 for 12 blocks, 2 -> 24 for DiT-XL).
 With `--paper-code DIR` (a clone of github.com/CompVis/tread, never copied here) the paper's own DiT
 is timed in the same run on the same model, batch and data, after checking that it computes our
-function (tools/paper_code.py); all variants of a step run round-robin so load and clock drift fall alike.
+function (tools/paper_code.py). Each variant is built, compiled and timed alone (the others freed, dynamo
+reset), so its peak memory is its own and no compiled variant can fall back to eager unnoticed.
 """
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from dit import DiT_models, get_model
 from edm import EDMLoss, EDMPrecond, edm_sampler
@@ -44,19 +47,34 @@ from tread_utils.precision import precision_policy, set_precision_policy
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def matmul_ceiling(device, dtype, size=None, iters=10) -> float:
-    """Achieved FLOP/s of a large square matmul: the practical peak this device reaches."""
+def matmul_ceiling(device, dtype, size=None, min_seconds=0.5) -> float:
+    """Achieved FLOP/s of a large square matmul, the practical peak of this device: repeated until at
+    least `min_seconds` of work is timed (CUDA events on a GPU), after a warm-up."""
     size = size or (8192 if device.type == "cuda" else 1024)
     dt = dtype or torch.float32
     a, b = torch.randn(size, size, device=device, dtype=dt), torch.randn(size, size, device=device, dtype=dt)
-    for _ in range(2):
+    for _ in range(3):
         a @ b
-    sync(device)
+    iters, seconds = 1, 0.0
+    while seconds < min_seconds:
+        iters *= 2
+        seconds = timed(device, lambda: [a @ b for _ in range(iters)])
+    return 2 * size ** 3 * iters / seconds
+
+
+def timed(device, fn) -> float:
+    """Seconds `fn()` takes: CUDA events on a GPU (no host clock in the way), the host clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    sync(device)
-    return 2 * size ** 3 * iters / (time.perf_counter() - t0)
+    fn()
+    return time.perf_counter() - t0
 
 
 def peak_memory_mb(device) -> float:
@@ -88,26 +106,28 @@ def training_step(model, batch, device, dtype, context=contextlib.nullcontext):
     return step
 
 
-def time_interleaved(steps_by_name, steps, warmup, device):
-    """Median seconds per step of each closure. Steps run round-robin (one of each in turn), so clock
-    drift and background load fall on every variant alike; peak memory is per variant on CUDA."""
-    times = {name: [] for name in steps_by_name}
-    peaks = {}
-    for name, step in steps_by_name.items():  # warm-up (and compilation) before any timing
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(warmup):
-            step()
-        sync(device)
-        peaks[name] = peak_memory_mb(device)
-    for _ in range(steps):
-        for name, step in steps_by_name.items():
-            sync(device)
-            t0 = time.perf_counter()
-            step()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}, peaks
+def time_alone(build, steps, warmup, device) -> dict:
+    """Builds one variant with every other one freed, warms it up (compilation happens here), then times
+    `steps` steps: median seconds per step, peak memory of this variant alone, and what dynamo did (reset
+    first, so a compiled variant can never fall back to eager on an earlier variant's recompile limit)."""
+    torch._dynamo.reset()
+    counters.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    step = build()
+    for _ in range(warmup):
+        step()
+    sync(device)
+    compiled = dict(frames=int(counters["frames"]["total"]), graphs=int(counters["stats"]["unique_graphs"]),
+                    graph_breaks=int(sum(counters["graph_break"].values())))
+    times = [timed(device, step) for _ in range(steps)]
+    compiled["recompiles_while_timed"] = int(counters["frames"]["total"]) - compiled["frames"]
+    result = dict(step_s=statistics.median(times), peak_mem_mb=peak_memory_mb(device), **compiled)
+    del step
+    gc.collect()
+    return result
 
 
 def our_model(backbone, routed, device, mode):
@@ -144,6 +164,19 @@ def training_variants(args):
     return [("ours", m) for m in ours] + [("paper", m) for m in (args.paper_modes if args.paper_code else [])]
 
 
+def variant_builder(args, paper_dit, backbone, routed, code, mode, batch, device, dtype):
+    def build():
+        if code == "ours":
+            model, context = our_model(backbone, routed, device, mode), contextlib.nullcontext
+        else:
+            ours = our_model(backbone, routed, "cpu", "eager")  # same initial weights
+            model = paper_twin(paper_dit, backbone, ours, routed).to(device).train()
+            context = functools.partial(eager_context, mode == "eager")
+        return training_step(model, batch, device, dtype, context)
+
+    return build
+
+
 def bench_training(args, device, dtype, ceiling, paper_dit=None):
     rows = []
     for backbone in args.backbones:
@@ -154,35 +187,29 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None):
             flops = {routed: training_step_flops(backbone, model_params(backbone, routed), batch, routing=routed)
                      for routed in (False, True)}
             sec = {}
-            for routed in (False, True):
-                steps = {}
-                for code, mode in training_variants(args):
-                    if code == "ours":
-                        model, context = our_model(backbone, routed, device, mode), contextlib.nullcontext
-                    else:
-                        ours = our_model(backbone, routed, "cpu", "eager")  # same initial weights
-                        model = paper_twin(paper_dit, backbone, ours, routed).to(device).train()
-                        context = functools.partial(eager_context, mode == "eager")
-                    steps[code, mode] = training_step(model, batch, device, dtype, context)
-                medians, peaks = time_interleaved(steps, args.steps, args.warmup, device)
-                del steps
-                for (code, mode), s in medians.items():
-                    sec[code, mode, routed] = s
+            for code, mode in training_variants(args):
+                for routed in (False, True):
+                    build = variant_builder(args, paper_dit, backbone, routed, code, mode, batch, device, dtype)
+                    measured = time_alone(build, args.steps, args.warmup, device)
+                    if mode == "compiled" and measured["graphs"] == 0:
+                        raise RuntimeError(f"{backbone} {code} {mode}: dynamo compiled no graph (eager fallback)")
+                    sec[code, mode, routed] = s = measured["step_s"]
                     rows.append(dict(backbone=backbone, batch=batch, code=code, mode=mode,
-                                     model="tread" if routed else "dit", step_s=s, images_per_s=batch / s,
-                                     peak_mem_mb=peaks[code, mode], flops_per_step=flops[routed],
-                                     mfu=flops[routed] / s / ceiling))
+                                     model="tread" if routed else "dit", images_per_s=batch / s,
+                                     flops_per_step=flops[routed], mfu=flops[routed] / s / ceiling, **measured))
                     if code == "paper":
                         rows[-1]["max_abs_output_difference"] = paper_diff
+                    print(f"{backbone} batch {batch} {code} {mode} {'tread' if routed else 'dit'}: "
+                          f"{s * 1e3:.1f} ms, MFU {flops[routed] / s / ceiling:.1%}, "
+                          f"{measured['peak_mem_mb'] / 1024:.1f} GiB, {measured['graphs']} graph(s), "
+                          f"{measured['recompiles_while_timed']} recompile(s) while timed", flush=True)
             bound = flops[False] / flops[True]
             for row in rows:
                 if row["backbone"] == backbone and row["batch"] == batch and row["model"] == "tread":
-                    measured = sec[row["code"], row["mode"], False] / row["step_s"]
-                    row.update(flop_bound=bound, speedup=measured, speedup_vs_bound=measured / bound)
-                    print(f"{backbone} batch {batch} {row['code']} {row['mode']}: dit "
-                          f"{sec[row['code'], row['mode'], False] * 1e3:.1f} ms, tread {row['step_s'] * 1e3:.1f} ms"
-                          f" -> speed-up {measured:.3f}x, FLOP bound {bound:.3f}x, ratio {measured / bound:.3f}",
-                          flush=True)
+                    speedup = sec[row["code"], row["mode"], False] / row["step_s"]
+                    row.update(flop_bound=bound, speedup=speedup, speedup_vs_bound=speedup / bound)
+                    print(f"{backbone} batch {batch} {row['code']} {row['mode']}: speed-up {speedup:.3f}x, "
+                          f"FLOP bound {bound:.3f}x, ratio {speedup / bound:.3f}", flush=True)
     order = {v: i for i, v in enumerate(training_variants(args))}
     rows.sort(key=lambda r: (args.backbones.index(r["backbone"]), r["batch"], order[r["code"], r["mode"]]))
     return rows
