@@ -7,6 +7,7 @@ import torch
 
 from edm.sampler import (SAMPLERS, StackedRandomGenerator, ablation_sampler, edm_sampler, edm_time_steps,
                          euler_sampler, sampler_from_config)
+from generation.generate import SAMPLERS as ALL_SAMPLERS, make_sampler
 from tread_utils.errors import UserError
 
 
@@ -276,3 +277,10 @@ def test_sampler_from_config():
         sampler_from_config("edm", num_step=3)
     with pytest.raises(ValueError):
         ablation_sampler(GaussianDenoiser(0, 1), torch.randn(1, 2), solver="rk4")
+
+
+def test_make_sampler_checks_its_settings_without_drawing_from_the_global_stream():
+    for name in ALL_SAMPLERS:  # EDM's and the flow sampler; EDM's draw churn noise at every step
+        before = torch.get_rng_state()
+        make_sampler({"name": name, "num_steps": 4})
+        assert torch.equal(before, torch.get_rng_state()), name

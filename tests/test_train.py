@@ -59,6 +59,7 @@ def assert_bit_identical(a, b):
     for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         for k in pa:
             assert torch.equal(pa[k], pb[k]), k
+    assert torch.equal(a["rng"][0]["torch"], b["rng"][0]["torch"]), "the training random stream"
 
 
 def train_args(tmp_path, run_name, steps=120):
@@ -80,19 +81,62 @@ def start_and_kill_after_checkpoint(tmp_path, run_name, sig, ckpt_step=40):
     return proc.returncode, out, err
 
 
-def test_kill9_resume_is_bit_identical(tmp_path):
-    subprocess.run(train_args(tmp_path, "straight"), cwd=REPO, env=subprocess_env(), check=True,
-                   capture_output=True, timeout=300)
-    code, _, _ = start_and_kill_after_checkpoint(tmp_path, "killed", signal.SIGKILL)
-    assert code == -signal.SIGKILL
-    assert final_state(tmp_path / "killed")["step"] < 120
-    resumed = subprocess.run(train_args(tmp_path, "killed"), cwd=REPO, env=subprocess_env(), capture_output=True,
-                             text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from" in resumed.stdout
-    assert_bit_identical(final_state(tmp_path / "straight"), final_state(tmp_path / "killed"))
-    steps = [r["step"] for r in read_metrics(tmp_path / "killed")]
-    assert steps == sorted(set(steps)) == list(range(10, 121, 10)), "redone steps are logged once"
+# Exact resume with in-training evaluation ON, as every real run has it: the model's default digits config
+# (the real digits scorer, all metrics, nn_ratio), with a tiny model and a small evaluation for speed.
+# Checkpoint and evaluation share a step, as in the default config.
+EVAL_ON = ["train.eval.eval_interval=20", "train.eval.fid_num_samples=16", "train.eval.batch_size=16",
+           "train.eval.sampler.num_steps=2"]
+
+
+def resume_args(model, results_dir, run_name, *more):
+    return [f"results_dir={results_dir}", f"run_name={run_name}", *tiny_overrides(model), *EVAL_ON,
+            "train.max_steps=40", "train.ckpt_every=20", "train.logging.log_interval=10", *more]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """model -> the run directory of an uninterrupted run with evaluation on (trained once, on first use)."""
+    root, runs = tmp_path_factory.mktemp("uninterrupted"), {}
+
+    def get(model):
+        if model not in runs:
+            run_script("train.py", *resume_args(model, root, model), check=True)
+            runs[model] = root / model
+        return runs[model]
+    return get
+
+
+def records(run_dir, key):
+    """{step: value} of one metric; each step must be logged once."""
+    found = [(r["step"], r[key]) for r in read_metrics(run_dir) if key in r]
+    assert len({step for step, _ in found}) == len(found), f"{key} logged twice for a step: {found}"
+    return dict(found)
+
+
+# (where the SIGKILL lands, step): inside step 22, after the checkpoint and evaluation of step 20 (the resumed
+# run restarts at 20 and skips that evaluation); or between the checkpoint of step 20 and its evaluation.
+@pytest.mark.parametrize("model", ["dit", "tread"])
+@pytest.mark.parametrize("when, step", [("mid_step", 22), ("after_checkpoint", 20)])
+def test_kill9_resume_is_bit_identical(tmp_path, uninterrupted, model, when, step):
+    killed = run_script("tests/train_killed_at.py", when, step, *resume_args(model, tmp_path, "killed"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert final_state(tmp_path / "killed")["step"] == 20
+    evaluated_20 = 20 in records(tmp_path / "killed", "fid")
+    assert evaluated_20 == (when == "mid_step"), "the kill landed where intended"
+    resumed = run_script("train.py", *resume_args(model, tmp_path, "killed"), check=True)
+    assert "resuming from" in resumed.stdout and "at step 20" in resumed.stdout
+    straight = uninterrupted(model)
+    assert_bit_identical(final_state(straight), final_state(tmp_path / "killed"))
+    assert records(tmp_path / "killed", "loss") == records(straight, "loss"), "redone steps are logged once"
+    fids, straight_fids = records(tmp_path / "killed", "fid"), records(straight, "fid")
+    assert fids == {s: straight_fids[s] for s in fids} and 40 in fids, "evaluation is deterministic too"
+
+
+@pytest.mark.parametrize("model", ["dit", "tread"])
+def test_evaluation_does_not_change_training(tmp_path, uninterrupted, model):
+    run_script("train.py", *resume_args(model, tmp_path, "no_eval", "train.eval.eval_interval=0"), check=True)
+    assert not records(tmp_path / "no_eval", "fid") and records(uninterrupted(model), "fid")
+    assert_bit_identical(final_state(uninterrupted(model)), final_state(tmp_path / "no_eval"))
 
 
 def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path):

@@ -1,7 +1,19 @@
-"""FID during training on the embedded digits: logged at every eval step, with a sample grid, and falling."""
+"""FID during training on the embedded digits: logged at every eval step, with a sample grid, and falling;
+the evaluator never moves the training random streams."""
 import json
+import random
 
-from conftest import run_script
+import numpy as np
+import torch
+from accelerate import Accelerator
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO, run_script, tiny_overrides
+from dit import get_model
+from training.checkpoint import capture_rng_state
+from training.diffuser import build_denoiser
+from training.in_training_eval import TrainingEvaluator
 
 
 def test_embedded_training_logs_falling_fid(tmp_path):
@@ -18,3 +30,27 @@ def test_embedded_training_logs_falling_fid(tmp_path):
     fids = [r["fid"] for r in evals]
     assert fids[-1] < 0.9 * fids[0], fids  # measured here: 142.8 -> 117.3
     assert (tmp_path / "fid" / "samples" / "step_00000300.png").exists()
+
+
+def test_evaluator_leaves_the_training_random_streams_untouched(tmp_path):
+    """Building the evaluator (digits classifier, references) and evaluating (sampling, features, nn_ratio)
+    move none of torch's CPU/CUDA, numpy's or Python's global streams, on whatever device trains here."""
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[*tiny_overrides("tread"), "train.eval.eval_interval=20",
+                                           "train.eval.fid_num_samples=16", "train.eval.sampler.num_steps=2"])
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    net = build_denoiser(cfg.diffuser, model.to(accelerator.device))
+    torch.manual_seed(1)  # also seeds every CUDA device
+    np.random.seed(1)
+    random.seed(1)
+    before = capture_rng_state()
+    evaluator = TrainingEvaluator(cfg, accelerator, tmp_path)
+    assert np.isfinite(evaluator(net, 20)["fid"])
+    after = capture_rng_state()
+    assert torch.equal(before["torch"], after["torch"])
+    assert len(before["cuda"]) == len(after["cuda"]) == torch.cuda.device_count()
+    assert all(torch.equal(b, a) for b, a in zip(before["cuda"], after["cuda"]))
+    numpy_before, numpy_after = before["numpy"], after["numpy"]
+    assert torch.equal(numpy_before.pop("keys"), numpy_after.pop("keys")) and numpy_before == numpy_after
+    assert before["python"] == after["python"]

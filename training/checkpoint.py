@@ -5,6 +5,7 @@ optimizer (and grad scaler) state, the step, every rank's RNG states and the run
 The data position is the step itself (see `data.ResumableBatchSampler`). `checkpoints/latest`
 names the newest file. `load_sampling_net` turns a checkpoint into the EMA denoiser that sampling uses.
 """
+import contextlib
 import os
 import random
 import re
@@ -131,6 +132,18 @@ def restore_rng_state(state: dict) -> None:
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+
+
+@contextlib.contextmanager
+def rng_untouched():
+    """Runs a block (or, as a decorator, a function) and then puts back every random stream training draws
+    from: torch's CPU and all CUDA generators, numpy's and Python's. In-training evaluation runs under it, so
+    whether, when and how much it evaluates never changes the training run (exact resume, eval on or off)."""
+    state = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(state)
 
 
 # ----------------------------------------------------------------------------------------------------

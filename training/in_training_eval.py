@@ -22,6 +22,7 @@ from evaluations.features import compute_features
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from generation import generate, save_image_grid
+from training.checkpoint import rng_untouched
 from tread_utils.errors import UserError
 
 
@@ -46,6 +47,7 @@ SCORERS = {"digits": digits_scorer, "shards": inception_scorer}
 
 
 class TrainingEvaluator:
+    @rng_untouched()  # set-up and evaluation leave the training streams where they were
     def __init__(self, cfg, accelerator, run_dir):
         e = cfg.train.eval
         self.accelerator = accelerator
@@ -66,6 +68,7 @@ class TrainingEvaluator:
                 self.memorisation = [self.decoder.decode(load_digits_split(split, cfg.dataset.input_size)[0]).numpy()
                                      for split in ("train", "test")]
 
+    @rng_untouched()
     @torch.no_grad()
     def __call__(self, net, step: int) -> dict:
         """Runs on every process; returns the metrics on the main process and {} elsewhere."""
