@@ -26,3 +26,9 @@ def test_analysis_catches_an_upward_import_and_a_cycle(tmp_path):
     _, _, problems = import_layers.analyse(tmp_path)
     assert "tread_utils.a imports dit, a layer above it" in problems
     assert any(p.startswith("import cycle: ") and "data.b" in p and "data.c" in p for p in problems)
+
+
+def test_every_package_is_found_by_the_install():
+    """pyproject finds packages by their __init__.py: a folder of modules without one is left out of a wheel."""
+    code_dirs = {p.parent.name for p in REPO.glob("*/*.py")} - {"tests", "docs", "scripts", "configs", "build"}
+    assert all((REPO / name / "__init__.py").is_file() for name in code_dirs), sorted(code_dirs)
