@@ -2,7 +2,13 @@
 
 One file: embedders, the adaLN-Zero block, the final layer, the model, the `DiT_models` registry and
 `get_model(backbone_type, params)`. The backbone predicts F in EDM's D = c_skip x + c_out F, so its
-output has the input's channels (no learned sigma). All zero-initialisation is in `initialize_weights`.
+output has the input's channels (no learned sigma). All initialisation is in `initialize_weights`:
+
+* `init="official"` (the default) is what the authors' code (CompVis/tread) trains: their blocks zero the
+  adaLN modulation when built, but their `initialize_weights` then applies xavier to every Linear and never
+  zeroes again, so the modulation, the final adaLN and the final linear start with xavier weights (a fresh
+  DiT-S/2 outputs std ~1.1);
+* `init="adaln_zero"` is DiT's adaLN-Zero (Peebles & Xie): those layers start at zero (output exactly 0).
 """
 import math
 
@@ -115,7 +121,7 @@ def sincos_pos_embed_2d(embed_dim, grid_size):
 class DiT(nn.Module):
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
                  mlp_ratio=4.0, num_classes=1000, enable_routing=False, routes=None, qk_norm=False,
-                 fp32_after_route=True, grad_checkpointing=False, block_type="attention"):
+                 fp32_after_route=True, grad_checkpointing=False, block_type="attention", init="official"):
         super().__init__()
         self.in_channels = self.out_channels = in_channels
         self.patch_size = patch_size
@@ -131,9 +137,9 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([block_cls(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
         self.router = TokenRouter(resolve_routes(routes, depth), enable_routing, fp32_after_route)
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
-        self.initialize_weights()
+        self.initialize_weights(init)
 
-    def initialize_weights(self):
+    def initialize_weights(self, init="official"):
         def basic_init(module):
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
@@ -147,6 +153,8 @@ class DiT(nn.Module):
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        if init == "official":  # the authors' code stops here: modulation and output layers keep xavier
+            return
         # adaLN-Zero: every residual branch and the output start at zero.
         for block in self.blocks:
             nn.init.zeros_(block.adaLN_modulation[-1].weight)
@@ -200,7 +208,11 @@ DiT_models = _registry()
 
 MODEL_PARAM_KEYS = {"num_classes", "in_channels", "input_size", "enable_routing", "routes", "depth", "hidden_size",
                     "num_heads", "mlp_ratio", "patch_size", "qk_norm", "fp32_after_route", "grad_checkpointing",
-                    "block_type"}
+                    "block_type", "init", "cond_mode", "learn_sigma"}
+INITS = ("official", "adaln_zero")
+# Keys of the authors' model config that name the only behaviour built here: accepted with that value alone.
+PAPER_ONLY_VALUES = {"cond_mode": ("adaln", "adaLN conditioning is the only one built"),
+                     "learn_sigma": (False, "EDM's denoiser predicts no variance")}
 
 
 def get_model(backbone_type: str, params) -> DiT:
@@ -212,7 +224,15 @@ def get_model(backbone_type: str, params) -> DiT:
     unknown = sorted(set(params) - MODEL_PARAM_KEYS)
     if unknown:
         raise UserError(f"unknown model.params key(s) {unknown}; accepted: {sorted(MODEL_PARAM_KEYS)}")
+    for key, (supported, why) in PAPER_ONLY_VALUES.items():
+        value = params.pop(key, supported)
+        if value != supported:
+            raise UserError(f"model.params.{key}={value!r} is not supported: only {supported!r} ({why}); "
+                            f"remove the key or set it to {supported!r}")
     kwargs = {**DiT_models[backbone_type], **params}
+    if kwargs.get("init", "official") not in INITS:
+        raise UserError(f"model.params.init must be one of {', '.join(INITS)}, got {kwargs['init']!r} "
+                        f"(official: the authors' xavier init; adaln_zero: DiT's)")
     kwargs["routes"] = [dict(r) for r in (kwargs.get("routes") or [])]
     if kwargs.get("block_type", "attention") not in ("attention", "ssm"):
         raise UserError(f"model.params.block_type must be 'attention' or 'ssm', got {kwargs['block_type']!r}")
