@@ -14,8 +14,9 @@ from tread_utils.errors import UserError
 DATASETS = {
     "digits": lambda d, seed: DigitsDataset("train", resolution=d.input_size),
     "shards": lambda d, seed: LatentShardDataset(d.train_path, in_channels=d.in_channels, input_size=d.input_size,
-                                                 num_classes=d.num_classes, scale_factor=d.scale_factor,
-                                                 random_flip=d.random_flip, seed=seed),
+                                                 num_classes=d.num_classes, scale_factor=d.get("scale_factor"),
+                                                 random_flip=d.get("random_flip", False),
+                                                 posterior_sampling=d.get("posterior_sampling", False), seed=seed),
 }
 
 

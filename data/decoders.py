@@ -14,7 +14,7 @@ import os
 import torch
 
 from data.images import latents_to_uint8
-from data.vae import SD_VAE_SCALE, decode_latents, load_sd_vae
+from data.vae import QUANTIZE, SD_VAE_SCALE, decode_latents, load_sd_vae
 from tread_utils.errors import UserError
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
@@ -52,7 +52,8 @@ class SDVAEDecoder:
     Decoding runs in chunks of `decode_batch_size` latents to bound memory.
     """
 
-    def __init__(self, vae=DEFAULT_VAE, device="cpu", dtype=torch.float32, scale=None, decode_batch_size=32):
+    def __init__(self, vae=DEFAULT_VAE, device="cpu", dtype=torch.float32, scale=None, decode_batch_size=32,
+                 quantize="truncate"):
         if isinstance(vae, (str, os.PathLike)):
             vae = load_sd_vae(os.fspath(vae), device=device, dtype=dtype)
         elif not isinstance(vae, torch.nn.Module):
@@ -62,9 +63,12 @@ class SDVAEDecoder:
         if decode_batch_size < 1:
             raise ValueError(f"decode_batch_size must be positive, got {decode_batch_size}")
         self.decode_batch_size = int(decode_batch_size)
+        if quantize not in QUANTIZE:
+            raise UserError(f"dataset.quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+        self.quantize = quantize
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        chunks = [decode_latents(self.vae, part, scale=self.scale)
+        chunks = [decode_latents(self.vae, part, scale=self.scale, quantize=self.quantize)
                   for part in latents.detach().split(self.decode_batch_size)]
         return torch.cat(chunks) if chunks else torch.zeros(0, 0, 0, 3, dtype=torch.uint8)
 
@@ -76,7 +80,8 @@ def decoder_for(dataset_cfg, vae=None, device="cpu", dtype=torch.float32):
 
     dataset.kind 'digits' -> IdentityDecoder; 'shards' -> SDVAEDecoder with, in order of precedence, the
     `vae` argument (path, repo id or loaded AutoencoderKL), `dataset.vae`, or stabilityai/sd-vae-ft-ema,
-    and `dataset.scale_factor` (default 0.18215) as the latent scale.
+    and `dataset.quantize` (default truncate). The model's latents are SD-VAE latents times 0.18215 whatever
+    the stored form (`dataset.scale_factor` only says how to get them there), so decoding divides by 0.18215.
     """
     kind = _get(dataset_cfg, "kind")
     if kind not in DECODERS:
@@ -89,5 +94,5 @@ DECODERS = {
     "digits": lambda d, vae, device, dtype: IdentityDecoder(),
     "shards": lambda d, vae, device, dtype: SDVAEDecoder(vae if vae is not None else _get(d, "vae", DEFAULT_VAE),
                                                           device=device, dtype=dtype,
-                                                          scale=_get(d, "scale_factor")),
+                                                          quantize=_get(d, "quantize", "truncate")),
 }

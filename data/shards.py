@@ -6,9 +6,12 @@ Formats found under a directory (searched recursively) or given as one file:
     sizes, no data read); the index is cached in memory and in a `<shard>.tar.idx.npz` sidecar when the
     folder is writable (validated by the shard's size and mtime).
   * `<stem>.latents.npy` [n, ...] with `<stem>.labels.npy` [n], memory-mapped.
-Per-sample arrays: [C,H,W] a latent; [2C,H,W] posterior moments (mean, logvar) -> mean + std * eps;
-[2,C,H,W] / [2,2C,H,W] the image and its horizontal flip (index 1) -> one chosen per read. Any dtype is
-read as float32 and multiplied by `scale_factor` (stored data is unscaled VAE output).
+Per-sample arrays: [C,H,W] a latent; [2C,H,W] posterior moments (mean, logvar) -> mean + std * eps with
+`posterior_sampling`, else the mean; [2,C,H,W] / [2,2C,H,W] the image and its horizontal flip (index 1) ->
+one chosen at random with `random_flip`, else the image. Any dtype is read as float32 and multiplied by the
+scale: `scale_factor` when given, else manifest.json's (our extraction stores unscaled VAE output), else
+one measured from the data (`decide_scale`): the authors' shards hold latents already multiplied by
+0.18215, and a second multiplication would pass unseen.
 Sample i (any non-negative int) is sample i % N of epoch i // N; its randomness comes only from
 (seed, epoch, i % N), so reads are reproducible whatever the worker layout - exact resume needs only i.
 """
@@ -22,12 +25,14 @@ import tarfile
 import numpy as np
 import torch
 
+from data.vae import LOGVAR_MIN, LOGVAR_MAX, SD_VAE_SCALE
 from tread_utils.errors import UserError
 
 LATENT_EXT, LABEL_EXT = ".latent.npy", ".cls"
 NPY_LATENTS, NPY_LABELS = ".latents.npy", ".labels.npy"
 SIDECAR_EXT = ".idx.npz"
-LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
+SCALE_PROBE = 256          # samples whose std decides the scale of shards without a manifest
+UNSCALED_STD = 2.3         # between ~1 (scaled SD-VAE latents) and ~5.5 (unscaled: 1 / 0.18215)
 REEXTRACT = "re-create it with `python -m data.extract_latents` (complete shards are kept)"
 
 
@@ -207,12 +212,22 @@ def _find_shards(path):
     return tars, npys
 
 
-def _manifest_counts(path, tars):
-    """{tar path: count} from manifest.json when it lists exactly these tars with matching sizes, else {}."""
+def _read_manifest(path):
+    """manifest.json beside the shards (written by `python -m data.extract_latents`), or None."""
     root = path if os.path.isdir(path) else os.path.dirname(path)
     try:
         with open(os.path.join(root, "manifest.json")) as f:
-            entries = {os.path.normpath(os.path.join(root, s["name"])): s for s in json.load(f)["shards"]}
+            manifest = json.load(f)
+        return manifest if isinstance(manifest, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _manifest_counts(path, tars, manifest):
+    """{tar path: count} from manifest.json when it lists exactly these tars with matching sizes, else {}."""
+    root = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        entries = {os.path.normpath(os.path.join(root, s["name"])): s for s in manifest["shards"]}
         counts = {}
         for t in tars:
             s = entries[os.path.normpath(t)]
@@ -224,26 +239,46 @@ def _manifest_counts(path, tars):
         return {}
 
 
+def decide_scale(scale_factor, manifest, probe_std) -> tuple:
+    """(scale, the one line that says why). `probe_std()` measures the stored latents when it is needed."""
+    if scale_factor is not None:
+        return float(scale_factor), f"scale {float(scale_factor):g} (dataset.scale_factor)"
+    if manifest is not None and "scale_factor" in manifest:
+        scale = 1.0 if manifest.get("scaled") else float(manifest["scale_factor"])
+        return scale, f"scale {scale:g} from manifest.json (stored latents are {'' if manifest.get('scaled') else 'un'}scaled)"
+    std = probe_std()
+    if std > UNSCALED_STD:
+        return SD_VAE_SCALE, (f"no manifest.json: the stored latents have std {std:.2f}, like unscaled SD-VAE output, "
+                              f"so they are multiplied by {SD_VAE_SCALE} (set dataset.scale_factor to override)")
+    return 1.0, (f"no manifest.json: the stored latents have std {std:.2f}, like latents already multiplied by "
+                 f"{SD_VAE_SCALE} (the authors' shards), so they are used as stored (set dataset.scale_factor to override)")
+
+
 def _seed(seed, epoch, idx):
     state = np.random.SeedSequence([seed & (2**64 - 1), epoch, idx]).generate_state(2, dtype=np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
 
 
 class LatentShardDataset(torch.utils.data.Dataset):
-    """(latent float32 [in_channels, input_size, input_size] * scale_factor, int label) per index."""
+    """(latent float32 [in_channels, input_size, input_size] * scale, int label) per index.
 
-    def __init__(self, path, in_channels, input_size, num_classes, scale_factor=0.18215, random_flip=False, seed=0):
+    The defaults are the authors' data path: one fixed latent per image (no posterior sampling, no flip).
+    `scale_note` says which scale was applied and why (the trainer prints it)."""
+
+    def __init__(self, path, in_channels, input_size, num_classes, scale_factor=None, random_flip=False,
+                 posterior_sampling=False, seed=0):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise UserError(f"latent data path {path} does not exist; point it at the output of `python -m data.extract_latents`")
         self.path, self.in_channels, self.input_size = path, int(in_channels), int(input_size)
-        self.num_classes, self.scale_factor = int(num_classes), float(scale_factor)
-        self.random_flip, self.seed = bool(random_flip), int(seed)
+        self.num_classes, self.scale_factor = int(num_classes), 1.0
+        self.random_flip, self.posterior_sampling, self.seed = bool(random_flip), bool(posterior_sampling), int(seed)
         tars, npys = _find_shards(path)
         if not tars and not npys:
             raise UserError(f"no latent shards found under {path} (searched recursively for *.tar and "
                             f"*{NPY_LATENTS} + *{NPY_LABELS}); run `python -m data.extract_latents` or fix the path")
-        counts = _manifest_counts(path, tars)
+        manifest = _read_manifest(path)
+        counts = _manifest_counts(path, tars, manifest)
         shards = [_TarShard(p, counts.get(p)) for p in tars] + [_NpyShard(p) for p in npys]
         self.shards = sorted(shards, key=lambda s: s.path)
         for s in self.shards:
@@ -253,6 +288,22 @@ class LatentShardDataset(torch.utils.data.Dataset):
         self._ends = np.cumsum([s.count for s in self.shards]).tolist()
         if self._ends[-1] == 0:
             raise UserError(f"the latent shards under {path} hold no samples; re-run `python -m data.extract_latents`")
+        self.scale_factor, self.scale_note = decide_scale(scale_factor, manifest, self._stored_std)
+
+    def _stored_std(self) -> float:
+        """The std of the first SCALE_PROBE stored latents (posterior means, unflipped), as stored."""
+        probe = [self._stored_latent(i) for i in range(min(SCALE_PROBE, len(self)))]
+        return float(np.std(np.stack(probe)))
+
+    def _locate(self, idx):
+        k = bisect.bisect_right(self._ends, idx)
+        shard = self.shards[k]
+        arr, label, key = shard.read(idx - (self._ends[k - 1] if k else 0))
+        return shard, arr, label, key, self._layout(arr.shape, f"{shard.path} sample {key}")
+
+    def _stored_latent(self, idx):
+        _, arr, _, _, layout = self._locate(idx)
+        return np.asarray(arr[0] if layout.startswith("pair") else arr, dtype=np.float32)[: self.in_channels]
 
     def _layout(self, shape, where):
         c, s = self.in_channels, self.input_size
@@ -271,22 +322,21 @@ class LatentShardDataset(torch.utils.data.Dataset):
         if i < 0:
             raise IndexError(f"LatentShardDataset index must be non-negative, got {i}")
         epoch, idx = divmod(i, len(self))
-        k = bisect.bisect_right(self._ends, idx)
-        shard = self.shards[k]
-        arr, label, key = shard.read(idx - (self._ends[k - 1] if k else 0))
-        layout = self._layout(arr.shape, f"{shard.path} sample {key}")
+        shard, arr, label, key, layout = self._locate(idx)
         if not 0 <= label < self.num_classes:
             raise UserError(f"{shard.path}: sample {key} has label {label} outside [0, {self.num_classes}); "
                             f"set num_classes to the dataset's class count or fix the labels")
         g = torch.Generator().manual_seed(_seed(self.seed, epoch, idx))
-        flip = bool(torch.randint(0, 2, (1,), generator=g).item())  # always drawn: a fixed stream per sample
+        flip = bool(torch.randint(0, 2, (1,), generator=g).item()) and self.random_flip  # always drawn
         if layout.startswith("pair"):
             arr = arr[int(flip)]
         x = np.array(arr, dtype=np.float32)  # a copy: never a view of a memory map
-        if self.random_flip and not layout.startswith("pair") and flip:
+        if flip and not layout.startswith("pair"):
             x = x[..., ::-1]
         if layout.endswith("moments"):  # numpy math: torch's intra-op threads only slow down such small ops
             mean, logvar = x[: self.in_channels], x[self.in_channels:]
-            eps = torch.randn(mean.shape, generator=g).numpy()
-            x = mean + np.exp(0.5 * np.clip(logvar, LOGVAR_MIN, LOGVAR_MAX)) * eps
+            x = mean
+            if self.posterior_sampling:
+                eps = torch.randn(mean.shape, generator=g).numpy()
+                x = mean + np.exp(0.5 * np.clip(logvar, LOGVAR_MIN, LOGVAR_MAX)) * eps
         return torch.from_numpy(np.ascontiguousarray(x * np.float32(self.scale_factor))), label

@@ -115,10 +115,22 @@ def encode_moments(vae, images: torch.Tensor):
     return dist.mean, dist.logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
 
 
+QUANTIZE = ("truncate", "round")
+
+
 @torch.no_grad()
-def decode_latents(vae, latents_scaled: torch.Tensor, scale: float = SD_VAE_SCALE) -> torch.Tensor:
-    """Scaled latents [N, C, h, w] -> uint8 images [N, H, W, 3] on the CPU."""
+def decode_latents(vae, latents_scaled: torch.Tensor, scale: float = SD_VAE_SCALE,
+                   quantize: str = "truncate") -> torch.Tensor:
+    """Scaled latents [N, C, h, w] -> uint8 images [N, H, W, 3] on the CPU.
+
+    `quantize`: "truncate" maps [-1, 1] to [0, 1], clamps and truncates 255 x (the authors' decoder and
+    ADM's sampling script); "round" rounds (x + 1) * 127.5 to the nearest level instead."""
+    if quantize not in QUANTIZE:
+        raise UserError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     param = next(vae.parameters())
-    x = vae.decode(latents_scaled.to(device=param.device, dtype=param.dtype) / scale).sample
-    x = ((x.float() + 1.0) * 127.5).clamp(0, 255).round().to(torch.uint8)
+    x = vae.decode(latents_scaled.to(device=param.device, dtype=param.dtype) / scale).sample.float()
+    if quantize == "truncate":
+        x = (((x + 1.0) / 2.0).clamp(0, 1) * 255).to(torch.uint8)
+    else:
+        x = ((x + 1.0) * 127.5).clamp(0, 255).round().to(torch.uint8)
     return x.permute(0, 2, 3, 1).contiguous().cpu()

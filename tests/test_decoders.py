@@ -45,13 +45,39 @@ def test_sd_vae_decoder_from_a_local_folder(tiny_vae):
 
 def test_decoder_for_picks_by_dataset_kind(tiny_vae):
     assert isinstance(decoder_for({"kind": "digits"}), IdentityDecoder)
-    from_arg = decoder_for({"kind": "shards", "scale_factor": 0.5}, vae=tiny_vae)
-    assert isinstance(from_arg, SDVAEDecoder) and from_arg.scale == 0.5
+    # dataset.scale_factor says how stored data becomes model latents; the model's latents are always
+    # SD-VAE latents x 0.18215, so the decoder divides by that whatever the stored form
+    from_arg = decoder_for({"kind": "shards", "scale_factor": 1.0, "quantize": "round"}, vae=tiny_vae)
+    assert isinstance(from_arg, SDVAEDecoder) and from_arg.scale == pytest.approx(0.18215)
+    assert from_arg.quantize == "round"
     from_cfg = decoder_for({"kind": "shards", "vae": tiny_vae})
-    assert from_cfg.scale == pytest.approx(0.18215)
+    assert from_cfg.scale == pytest.approx(0.18215) and from_cfg.quantize == "truncate"  # the authors'
     assert isinstance(decoder_for({"kind": "shards"}, vae=from_cfg.vae), SDVAEDecoder)  # a loaded VAE
     with pytest.raises(UserError, match="dataset.kind"):
         decoder_for({"kind": "pixels"})
+
+
+class ConstantVAE(torch.nn.Module):
+    """Decodes every latent to the values `out` (in [-1, 1] units), to pin the uint8 quantisation."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out, self.w = out, torch.nn.Parameter(torch.zeros(()))
+
+    def decode(self, z):
+        return type("Decoded", (), {"sample": self.out.expand(z.shape[0], 3, 1, -1)})()
+
+
+def test_quantisation_truncates_like_the_authors_or_rounds():
+    from data.vae import decode_latents
+
+    vae = ConstantVAE(torch.tensor([-1.0, -0.999, 0.0, 0.5, 0.999, 1.0, 2.0]))
+    z = torch.zeros(1, 4, 1, 1)
+    # the authors: ((x + 1) / 2).clamp(0, 1) * 255, truncated by the uint8 cast
+    assert decode_latents(vae, z)[0, 0, :, 0].tolist() == [0, 0, 127, 191, 254, 255, 255]
+    assert decode_latents(vae, z, quantize="round")[0, 0, :, 0].tolist() == [0, 0, 128, 191, 255, 255, 255]
+    with pytest.raises(UserError, match="dataset.quantize must be one of truncate, round"):
+        SDVAEDecoder(vae, quantize="floor")
 
 
 def test_missing_vae_weights_offline_is_a_user_error(monkeypatch, tmp_path):

@@ -38,7 +38,7 @@ def one_line(err):
 def test_single_latents_are_scaled_float32(tmp_path):
     samples = simple(5, (C, S, S))
     write_tar(tmp_path / "a.tar", samples)
-    ds = LatentShardDataset(tmp_path, C, S, K)
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert len(ds) == 5
     for i, (_, arr, label) in enumerate(samples):
         x, y = ds[i]
@@ -53,22 +53,26 @@ def test_moments_are_sampled_then_scaled(tmp_path):
     std = 2.0
     moments = np.concatenate([mean, np.full((C, S, S), 2 * np.log(std), np.float32)])  # [2C, S, S]
     write_tar(tmp_path / "m.tar", [(f"{i:04d}", moments, 3) for i in range(64)])
-    ds = LatentShardDataset(tmp_path, C, S, K)
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE, posterior_sampling=True)
     eps = torch.stack([(ds[i][0] / SCALE - torch.from_numpy(mean)) / std for i in range(64)])
     assert eps.shape == (64, C, S, S)
     assert abs(eps.mean().item()) < 0.05 and abs(eps.std().item() - 1.0) < 0.05  # mean + std * N(0, 1)
     assert not torch.equal(eps[0], eps[1])
+    # the authors' data path (the default): one fixed latent per image, the posterior mean
+    mean_only = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
+    assert all(torch.equal(mean_only[i][0], torch.from_numpy(mean) * np.float32(SCALE)) for i in (0, 63, 64))
 
 
 def test_addressing_is_deterministic_per_index_and_epoch(tmp_path):
     moments = np.random.RandomState(2).randn(8, 2 * C, S, S).astype(np.float16)
     write_tar(tmp_path / "m.tar", [(f"{i:04d}", moments[i], 1) for i in range(8)])
-    ds = LatentShardDataset(tmp_path, C, S, K, seed=5)
+    kw = dict(posterior_sampling=True, scale_factor=SCALE)
+    ds = LatentShardDataset(tmp_path, C, S, K, seed=5, **kw)
     n = len(ds)
     assert torch.equal(ds[3][0], ds[3][0])
-    assert torch.equal(ds[3][0], LatentShardDataset(tmp_path, C, S, K, seed=5)[3][0])  # a fresh reader, same draw
+    assert torch.equal(ds[3][0], LatentShardDataset(tmp_path, C, S, K, seed=5, **kw)[3][0])  # a fresh reader, same draw
     assert not torch.equal(ds[3][0], ds[3 + n][0])  # next epoch: same sample, fresh noise
-    assert not torch.equal(ds[3][0], LatentShardDataset(tmp_path, C, S, K, seed=6)[3][0])
+    assert not torch.equal(ds[3][0], LatentShardDataset(tmp_path, C, S, K, seed=6, **kw)[3][0])
     assert ds[3 + 7 * n][1] == ds[3][1]  # any non-negative index works
     with pytest.raises(IndexError):
         ds[-1]
@@ -79,26 +83,27 @@ def test_addressing_is_deterministic_per_index_and_epoch(tmp_path):
 
 
 @pytest.mark.parametrize("channels", [C, 2 * C])
-def test_flip_pairs_pick_either_half(tmp_path, channels):
+def test_flip_pairs_pick_either_half_with_random_flip(tmp_path, channels):
     pair = np.stack([np.full((channels, S, S), 1.0), np.full((channels, S, S), -1.0)]).astype(np.float16)
     if channels == 2 * C:  # moments with a tiny std: the sample sits on the mean
         pair[:, C:] = -30.0
     write_tar(tmp_path / "p.tar", [(f"{i:04d}", pair, 0) for i in range(32)])
-    ds = LatentShardDataset(tmp_path, C, S, K)
-    signs = set()
-    for i in range(32):
-        x, _ = ds[i]
-        assert x.shape == (C, S, S)
-        signs.add(round(float(x.mean() / SCALE)))
-    assert signs == {1, -1}
+    for random_flip, expected in ((True, {1, -1}), (False, {1})):  # off (the authors'): always the image
+        ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE, random_flip=random_flip)
+        signs = set()
+        for i in range(32):
+            x, _ = ds[i]
+            assert x.shape == (C, S, S)
+            signs.add(round(float(x.mean() / SCALE)))
+        assert signs == expected
 
 
 def test_random_flip_only_when_asked(tmp_path):
     ramp = np.broadcast_to(np.arange(S, dtype=np.float32), (C, S, S)).copy()
     write_tar(tmp_path / "r.tar", [(f"{i:04d}", ramp, 0) for i in range(32)])
-    plain = LatentShardDataset(tmp_path, C, S, K)
+    plain = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert all(plain[i][0][0, 0, 0] == 0 for i in range(32))
-    flipping = LatentShardDataset(tmp_path, C, S, K, random_flip=True)
+    flipping = LatentShardDataset(tmp_path, C, S, K, random_flip=True, scale_factor=SCALE)
     firsts = {float(flipping[i][0][0, 0, 0] / SCALE) for i in range(32)}
     assert firsts == {0.0, float(S - 1)}
 
@@ -109,7 +114,7 @@ def test_npy_pairs_are_memory_mapped(tmp_path):
     sub.mkdir()
     np.save(sub / "part0.latents.npy", lat)
     np.save(sub / "part0.labels.npy", np.arange(6) % K)
-    ds = LatentShardDataset(tmp_path, C, S, K)
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert len(ds) == 6 and ds[4][1] == 4 and ds[4][0].shape == (C, S, S)
     assert isinstance(ds.shards[0]._open()[0], np.memmap)
     # pickling for spawned workers carries no data
@@ -123,7 +128,7 @@ def test_mixed_formats_and_single_file(tmp_path):
     write_tar(tmp_path / "y" / "b.tar", simple(4, (2, C, S, S), start=3))
     np.save(tmp_path / "c.latents.npy", np.zeros((2, C, S, S), np.float32))
     np.save(tmp_path / "c.labels.npy", np.array([1, 2]))
-    ds = LatentShardDataset(tmp_path, C, S, K)
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert len(ds) == 9
     assert [ds[i][1] for i in range(9)] == [1, 2, 0, 1, 2, 3, 4, 5, 6]  # sorted by path: c, x/a, y/b
     assert len(LatentShardDataset(tmp_path / "x" / "a.tar", C, S, K)) == 3
@@ -131,22 +136,22 @@ def test_mixed_formats_and_single_file(tmp_path):
 
 def test_tar_index_sidecar_and_manifest(tmp_path):
     path = write_tar(tmp_path / "a.tar", simple(5, (C, S, S)))
-    first = LatentShardDataset(tmp_path, C, S, K)[2][0]
+    first = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)[2][0]
     assert os.path.isfile(path + SIDECAR_EXT)
-    assert torch.equal(LatentShardDataset(tmp_path, C, S, K)[2][0], first)  # from the sidecar
+    assert torch.equal(LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)[2][0], first)  # from the sidecar
     write_tar(tmp_path / "a.tar", simple(7, (C, S, S), seed=9))  # rewritten: the stale sidecar is ignored
     os.utime(path, ns=(1, 1))
-    ds = LatentShardDataset(tmp_path, C, S, K)
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert len(ds) == 7 and not torch.equal(ds[2][0], first)
     # a consistent manifest gives the counts without indexing at init
     manifest = {"shards": [{"name": "a.tar", "count": 7, "bytes": os.path.getsize(path)}]}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     os.remove(path + SIDECAR_EXT)
-    ds = LatentShardDataset(tmp_path, C, S, K)
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)  # a given scale: nothing is read at init
     assert ds.shards[0]._rows is None and len(ds) == 7 and ds[6][1] == 6 % K
     manifest["shards"][0]["bytes"] += 1  # inconsistent: ignored, the tar is indexed
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    assert LatentShardDataset(tmp_path, C, S, K).shards[0]._rows is not None
+    assert LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE).shards[0]._rows is not None
 
 
 def test_missing_path_and_no_shards(tmp_path):
@@ -155,7 +160,7 @@ def test_missing_path_and_no_shards(tmp_path):
     assert "does not exist" in one_line(e)
     (tmp_path / "junk.txt").write_text("x")
     with pytest.raises(UserError) as e:
-        LatentShardDataset(tmp_path, C, S, K)
+        LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert "*.tar" in one_line(e) and "*.latents.npy" in one_line(e)
 
 
@@ -166,43 +171,43 @@ def test_shape_mismatch_at_init_and_at_read(tmp_path):
     msg = one_line(e)
     assert "a.tar" in msg and str([C, S, S]) in msg and "input_size=16" in msg
     write_tar(tmp_path / "b.tar", simple(1, (C, S, S)) + [("000009", np.zeros((3, S, S), np.float16), 0)])
-    ds = LatentShardDataset(tmp_path, C, S, K)  # first sample of every shard fits
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)  # first sample of every shard fits
     with pytest.raises(UserError) as e:
         ds[3]
     assert "b.tar" in one_line(e) and "000009" in one_line(e) and "[3, 8, 8]" in one_line(e)
     np.save(tmp_path / "n.latents.npy", np.zeros((2, 5, S, S), np.float16))
     np.save(tmp_path / "n.labels.npy", np.zeros(2, np.int64))
     with pytest.raises(UserError) as e:
-        LatentShardDataset(tmp_path, C, S, K)
+        LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert "n.latents.npy" in one_line(e)
 
 
 def test_corrupt_files(tmp_path):
     (tmp_path / "bad.tar").write_bytes(os.urandom(3000))
     with pytest.raises(UserError) as e:
-        LatentShardDataset(tmp_path, C, S, K)
+        LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert "bad.tar" in one_line(e)
     os.remove(tmp_path / "bad.tar")
     path = write_tar(tmp_path / "cut.tar", simple(4, (C, S, S)))
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     with pytest.raises(UserError) as e:
-        LatentShardDataset(tmp_path, C, S, K)
+        LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert "cut.tar" in one_line(e)
     os.remove(path)
     np.save(tmp_path / "q.latents.npy", np.zeros((2, C, S, S), np.float16))
     with pytest.raises(UserError) as e:  # labels file missing
-        LatentShardDataset(tmp_path, C, S, K)
+        LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert "q.labels.npy" in one_line(e)
     (tmp_path / "q.labels.npy").write_bytes(b"garbage")
     with pytest.raises(UserError) as e:
-        LatentShardDataset(tmp_path, C, S, K)
+        LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert "q.labels.npy" in one_line(e)
 
 
 def test_corrupt_sample_bytes_named(tmp_path):
     path = write_tar(tmp_path / "a.tar", simple(2, (C, S, S)))
-    ds = LatentShardDataset(tmp_path, C, S, K)
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     off = int(ds.shards[0]._rows[1, 0])
     with open(path, "r+b") as f:  # clobber the .npy magic of the second sample
         f.seek(off)
@@ -214,9 +219,33 @@ def test_corrupt_sample_bytes_named(tmp_path):
 
 def test_label_out_of_range_names_file_and_key(tmp_path):
     write_tar(tmp_path / "a.tar", [("k0", np.zeros((C, S, S), np.float16), 1), ("k1", np.zeros((C, S, S), np.float16), 12)])
-    ds = LatentShardDataset(tmp_path, C, S, K)
+    ds = LatentShardDataset(tmp_path, C, S, K, scale_factor=SCALE)
     assert ds[0][1] == 1
     with pytest.raises(UserError) as e:
         ds[1]
     msg = one_line(e)
     assert "a.tar" in msg and "k1" in msg and "12" in msg
+
+
+@pytest.mark.parametrize("std, expected, why", [(1 / SCALE, SCALE, "like unscaled SD-VAE output"),
+                                                (1.0, 1.0, "already multiplied by 0.18215")])
+def test_without_a_manifest_the_scale_is_measured_and_said(tmp_path, std, expected, why):
+    """The authors' shards hold latents already scaled by 0.18215: they must not be scaled twice, silently."""
+    samples = [(f"{i:04d}", (std * np.random.RandomState(i).randn(C, S, S)).astype(np.float16), 1) for i in range(40)]
+    write_tar(tmp_path / "a.tar", samples)
+    ds = LatentShardDataset(tmp_path, C, S, K)
+    assert ds.scale_factor == pytest.approx(expected) and why in ds.scale_note and "\n" not in ds.scale_note
+    torch.testing.assert_close(ds[0][0], torch.from_numpy(samples[0][1].astype(np.float32)) * np.float32(expected))
+    given = LatentShardDataset(tmp_path, C, S, K, scale_factor=0.5)  # dataset.scale_factor overrides
+    assert given.scale_factor == 0.5 and "dataset.scale_factor" in given.scale_note
+
+
+@pytest.mark.parametrize("scaled, expected", [(False, SCALE), (True, 1.0)])
+def test_the_manifest_decides_the_scale(tmp_path, scaled, expected):
+    path = write_tar(tmp_path / "a.tar", simple(3, (C, S, S)))
+    manifest = {"scale_factor": SCALE, "scaled": scaled,
+                "shards": [{"name": "a.tar", "count": 3, "bytes": os.path.getsize(path)}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    ds = LatentShardDataset(tmp_path, C, S, K)
+    assert ds.scale_factor == pytest.approx(expected) and "manifest.json" in ds.scale_note
+    assert ds.shards[0]._rows is None  # decided without reading a sample
