@@ -193,6 +193,10 @@ def bad(tmp_path, *overrides):
     (["model.backbone_type=DiT-Q/2"], "unknown backbone"),
     (["dataset=imagenet256", "dataset.train_path=/does/not/exist"], "/does/not/exist"),
     (["dataset=imagenet256"], "dataset.train_path"),
+    (["train.general.grad_accum_steps=3"], "gradient-accumulation"),
+    (["model.params.init=xavier"], "model.params.init"),
+    (["train.eval.eval_interval=2", "train.general.class_drop_prob=0", "train.eval.cfg_scales=[null,1.5]"],
+     "no unconditional mode"),
 ])
 def test_bad_config_is_one_clear_line(tmp_path, overrides, needle):
     assert_one_line_error(bad(tmp_path, *overrides), needle)
@@ -221,3 +225,45 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     for _, path in kept:
         state = load_checkpoint(path)
         assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+@pytest.mark.parametrize("accum", [2, 4])
+def test_gradient_accumulation_equals_one_step_on_the_whole_batch(accum):
+    """k micro-batches give the gradient and the loss of one pass over the whole batch (a loss without
+    random draws, so only float rounding differs)."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from training.loop import accumulate_gradients
+
+    torch.manual_seed(0)
+    model = get_model("DiT-T/2", dict(num_classes=10, in_channels=1, input_size=8, depth=2, hidden_size=32,
+                                      num_heads=2)).eval()  # eval: no routing draws
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+
+    def loss_fn(net, images, labels):
+        return (net(images, torch.full((len(images),), 0.3), labels) - images) ** 2
+
+    def grads(k):
+        model.zero_grad()
+        batches = iter(zip(x.chunk(k), y.chunk(k)))
+        run = SimpleNamespace(accelerator=Accelerator(cpu=True), data_iter=batches, net=model, loss_fn=loss_fn,
+                              accum=k)
+        loss = accumulate_gradients(run, num_classes=10, drop_prob=0.0)
+        return loss, [p.grad.clone() for p in model.parameters()]
+
+    (loss_1, g_1), (loss_k, g_k) = grads(1), grads(accum)
+    torch.testing.assert_close(loss_k, loss_1, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_k, g_1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_accumulation_run_counts_optimizer_steps(tmp_path):
+    run_script("train.py", f"results_dir={tmp_path}", "run_name=acc", *tiny_overrides("tread"),
+               "train.general.grad_accum_steps=2", "train.max_steps=4", "train.ckpt_every=2",
+               "train.logging.log_interval=2", check=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "acc")] == [2, 4]
+    assert [s for s, _ in list_checkpoints(tmp_path / "acc" / "checkpoints")] == [2, 4]
+    state = final_state(tmp_path / "acc")
+    assert all(v["step"].item() == 4 for v in state["optimizer"]["state"].values())  # AdamW stepped 4 times

@@ -3,11 +3,17 @@ images with the EMA model (the seeds are spread over the processes, one generato
 images do not depend on the process count), score them against the dataset's reference on the main
 process, log the numbers and save a sample grid.
 
+As in the authors' code, the seeds start at 100000 (`train.eval.seed`), `train.eval.cfg_scales` is a list
+with one FID per scale (null or 1 = unguided, logged as `fid`; a guided scale s as `fid_cfg<s>`, e.g.
+`fid_cfg1.5`, and likewise for the other metrics), and sampling runs under the run's mixed precision
+(`train.eval.fp32=true` samples in float32 instead).
+
 The embedded digits use the same pipeline at toy scale: a small CNN classifier shipped in
 `evaluations/` stands in for Inception and the held-out split is the reference. ImageNet latents are
 decoded with the SD-VAE and scored with the Inception port against `train.eval.ref_batch`
 (ADM's `VIRTUAL_imagenet256_labeled.npz`).
 """
+import contextlib
 import time
 from pathlib import Path
 
@@ -21,7 +27,7 @@ from evaluations.evaluator import metrics_from_features, reference_from_npz
 from evaluations.features import compute_features
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
-from generation import generate, save_image_grid
+from generation import build_guided_net, generate, save_image_grid
 from training.checkpoint import rng_untouched
 from tread_utils.errors import UserError
 
@@ -56,6 +62,17 @@ class TrainingEvaluator:
             raise UserError(f"train.eval.fid_num_samples must be at least 4, got {self.num_samples}")
         self.batch_size = int(e.batch_size)
         self.seeds = range(int(e.seed), int(e.seed) + self.num_samples)
+        try:
+            self.cfg_scales = [1.0 if scale is None else float(scale) for scale in e.get("cfg_scales", [None])]
+        except (TypeError, ValueError):
+            raise UserError(f"train.eval.cfg_scales must be a list of numbers or null, e.g. [null,1.5], "
+                            f"got {e.get('cfg_scales')}") from None
+        self.class_drop_prob = float(cfg.train.general.class_drop_prob)
+        self.fp32 = bool(e.get("fp32", False))
+        guided = [s for s in self.cfg_scales if s != 1.0]
+        if guided and self.class_drop_prob == 0.0:
+            raise UserError(f"train.eval.cfg_scales={list(e.cfg_scales)} asks for guided FID, but the run trains "
+                            f"with train.general.class_drop_prob=0 (no unconditional mode); use cfg_scales=[null]")
         self.sampler_kwargs = dict(e.sampler)
         self.all_metrics = bool(e.all_metrics)
         self.samples_dir = Path(run_dir) / "samples"
@@ -73,25 +90,37 @@ class TrainingEvaluator:
     def __call__(self, net, step: int) -> dict:
         """Runs on every process; returns the metrics on the main process and {} elsewhere."""
         t0 = time.time()
-        images, labels = generate(net, self.seeds, sampler_kwargs=self.sampler_kwargs, decoder=self.decoder,
-                                  batch_size=self.batch_size, accelerator=self.accelerator, progress=False)
         metrics = {}
+        for scale in self.cfg_scales:
+            guided = build_guided_net(net, {"cfg_scale": scale}, class_drop_prob=self.class_drop_prob)
+            precision = contextlib.nullcontext() if self.fp32 else self.accelerator.autocast()
+            with precision:
+                images, labels = generate(guided, self.seeds, sampler_kwargs=self.sampler_kwargs,
+                                          decoder=self.decoder, batch_size=self.batch_size,
+                                          accelerator=self.accelerator, progress=False)
+            if self.accelerator.is_main_process:
+                suffix = "" if scale == 1.0 else f"_cfg{scale:g}"
+                metrics.update({f"{k}{suffix}": v for k, v in self.score(images, labels).items()})
+                self.samples_dir.mkdir(parents=True, exist_ok=True)
+                save_image_grid(self.samples_dir / f"step_{step:08d}{suffix}.png", images[:64])
         if self.accelerator.is_main_process:
-            keys = ("pool", "spatial", "logits") if self.all_metrics else ("pool",)
-            feats = compute_features(self.extractor, images, batch_size=256, keys=keys, stats_keys=("spatial",))
-            if self.all_metrics:
-                scores = metrics_from_features(feats, self.reference)
-                metrics = {"fid": scores["fid"], "sfid": scores["sfid"], "is": scores["inception_score"],
-                           "precision": scores["precision"], "recall": scores["recall"]}
-            else:
-                mu, sigma = feature_statistics(feats["pool"])
-                metrics = {"fid": frechet_distance(mu, sigma, self.reference["mu"], self.reference["sigma"])}
-            if self.memorisation is not None:
-                metrics["nn_ratio"] = nearest_neighbour_ratio(images, *self.memorisation)
-            self.samples_dir.mkdir(parents=True, exist_ok=True)
-            save_image_grid(self.samples_dir / f"step_{step:08d}.png", images[:64])
             metrics["eval_seconds"] = time.time() - t0
         self.accelerator.wait_for_everyone()
+        return metrics
+
+    def score(self, images, labels) -> dict:
+        """FID (and with all_metrics sFID, IS, precision, recall; on the digits nn_ratio) of one sample set."""
+        keys = ("pool", "spatial", "logits") if self.all_metrics else ("pool",)
+        feats = compute_features(self.extractor, images, batch_size=256, keys=keys, stats_keys=("spatial",))
+        if self.all_metrics:
+            scores = metrics_from_features(feats, self.reference)
+            metrics = {"fid": scores["fid"], "sfid": scores["sfid"], "is": scores["inception_score"],
+                       "precision": scores["precision"], "recall": scores["recall"]}
+        else:
+            mu, sigma = feature_statistics(feats["pool"])
+            metrics = {"fid": frechet_distance(mu, sigma, self.reference["mu"], self.reference["sigma"])}
+        if self.memorisation is not None:
+            metrics["nn_ratio"] = nearest_neighbour_ratio(images, *self.memorisation)
         return metrics
 
 

@@ -4,6 +4,7 @@ logs, saves snapshots and evaluates.
 Restarting with the same run_name resumes from the newest checkpoint (model, EMA, optimizer, grad scaler,
 step, every rank's RNG state; the data position is the step). SIGTERM/SIGINT save a checkpoint first.
 """
+import contextlib
 import copy
 import dataclasses
 import math
@@ -40,8 +41,12 @@ def update_ema(ema_params, model_params, decay: float):
 
 def check_config(cfg, world_size: int):
     g = cfg.train.general
-    if g.batch_size % world_size:
-        raise UserError(f"train.general.batch_size={g.batch_size} is not divisible by the {world_size} processes")
+    accum = g.get("grad_accum_steps", 1)
+    if not isinstance(accum, int) or accum < 1:
+        raise UserError(f"train.general.grad_accum_steps must be a positive integer, got {accum}")
+    if g.batch_size % (world_size * accum):
+        raise UserError(f"train.general.batch_size={g.batch_size} is not divisible by the {world_size} processes x "
+                        f"{accum} gradient-accumulation steps; change the batch size or grad_accum_steps")
     if not 0.0 <= g.class_drop_prob < 1.0:
         raise UserError(f"train.general.class_drop_prob must be in [0, 1), got {g.class_drop_prob}")
     for key in ("max_steps", "ckpt_every"):
@@ -99,6 +104,7 @@ class Run:
     sampler: ResumableBatchSampler
     data_iter: Any
     step: int
+    accum: int                    # micro-batches per optimizer step
     logger: Optional[MetricsLogger] = None
     evaluator: Optional[TrainingEvaluator] = None
     eval_net: Optional[torch.nn.Module] = None
@@ -151,10 +157,13 @@ def setup(cfg: DictConfig) -> Run:
         init_weights(cfg, model, ema, optimizer, is_main)
     ema.to(device)
 
-    # Load dataset: the batch sampler starts at the resumed step.
+    # Load dataset: the batch sampler counts micro-batches and starts at the resumed step's first one.
     dataset = build_dataset(cfg.dataset, seed=cfg.global_seed)
-    sampler = ResumableBatchSampler(len(dataset), cfg.train.general.batch_size // world, rank, world,
-                                    cfg.global_seed, start_step=step)
+    if is_main and getattr(dataset, "scale_note", None):
+        print(f"latents: {dataset.scale_note}")
+    accum = int(cfg.train.general.get("grad_accum_steps", 1))
+    sampler = ResumableBatchSampler(len(dataset), cfg.train.general.batch_size // (world * accum), rank, world,
+                                    cfg.global_seed, start_step=step * accum)
     workers = cfg.train.general.num_workers
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                          pin_memory=device.type == "cuda", persistent_workers=workers > 0,
@@ -176,7 +185,7 @@ def setup(cfg: DictConfig) -> Run:
         if rng is not None and is_main:
             print(f"note: checkpoint was written by {len(rng)} processes, now {world}: RNG streams are re-seeded")
 
-    run = Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, sampler, iter(loader), step)
+    run = Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, sampler, iter(loader), step, accum)
     if is_main:
         run.logger = open_run_log(run, resumed_from=found[-1][1] if state is not None else None)
     if cfg.train.eval.eval_interval and cfg.train.eval.eval_interval > 0:
@@ -221,6 +230,22 @@ def save_snapshot(run: Run, step: int):
     accelerator.wait_for_everyone()
 
 
+def accumulate_gradients(run: Run, num_classes: int, drop_prob: float) -> torch.Tensor:
+    """Backward over `run.accum` micro-batches (gradients synchronised across processes on the last only);
+    the gradient is that of the mean loss over the whole global batch. Returns that mean loss, detached."""
+    accelerator, device, total = run.accelerator, run.accelerator.device, 0.0
+    for micro in range(run.accum):
+        x, y = next(run.data_iter)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        y = torch.where(torch.rand(y.shape, device=device) < drop_prob, torch.full_like(y, num_classes), y)
+        sync = micro == run.accum - 1
+        with contextlib.nullcontext() if sync else accelerator.no_sync(run.net):
+            loss = run.loss_fn(run.net, x, y).mean()
+            accelerator.backward(loss / run.accum if run.accum > 1 else loss)
+        total = total + loss.detach() / run.accum
+    return total
+
+
 def evaluate(run: Run, step: int):
     scores = run.evaluator(run.eval_net, step)
     if run.logger is not None:
@@ -249,11 +274,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True):
     try:
         while step < t.max_steps:
             # Update weights.
-            x, y = next(run.data_iter)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            y = torch.where(torch.rand(y.shape, device=device) < drop_prob, torch.full_like(y, num_classes), y)
-            loss = run.loss_fn(run.net, x, y).mean()
-            accelerator.backward(loss)
+            loss = accumulate_gradients(run, num_classes, drop_prob)
             if o.grad_clip:
                 accelerator.clip_grad_norm_(run.model.parameters(), o.grad_clip)
             run.optimizer.step()
@@ -261,7 +282,6 @@ def training_loop(cfg: DictConfig, end_training: bool = True):
             # Update EMA.
             update_ema(ema_params, model_params, t.ema.decay)
             step += 1
-            loss = loss.detach()
             loss_sum += loss
             bad_step = torch.where((bad_step < 0) & ~torch.isfinite(loss), step, bad_step)
             steps_since_log += 1
@@ -280,7 +300,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True):
                     steps_per_sec = steps_since_log / (time.time() - t_log)
                     run.logger.log(step, {"loss": mean_loss, "steps_per_sec": steps_per_sec,
                                           "images_per_sec": steps_per_sec * t.general.batch_size,
-                                          "epoch": step / run.sampler.steps_per_epoch, "lr": o.lr,
+                                          "epoch": step * run.accum / run.sampler.steps_per_epoch, "lr": o.lr,
                                           "world_size": world})
                     bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{steps_per_sec:.2f}")
                 loss_sum.zero_()
