@@ -6,9 +6,9 @@ editing them:
 - their dit.py does `from routing_module import Router`, a name this repo also uses: their files
   are loaded under private module names, with `routing_module` pointing at theirs only while their
   dit.py executes;
-- their DiT.forward calls `router.get_mask(x, mask_ratio=...)` while their Router.get_mask takes
-  `selection_rate=` (a TypeError as published): when the signature lacks `mask_ratio`, the Router
-  their DiT builds is swapped for a subclass that accepts it and forwards it as `selection_rate`.
+- before their commit 43a15dc, their DiT.forward called `router.get_mask(x, mask_ratio=...)` while their
+  Router.get_mask takes `selection_rate=` (a TypeError): for such a clone, the Router their DiT builds is
+  swapped for a subclass that accepts `mask_ratio` and forwards it as `selection_rate`. Their HEAD needs none.
 Their blocks carry `@torch.compile`; run them "as published" or eagerly (`eager_context`).
 """
 import contextlib
@@ -56,7 +56,8 @@ def load_paper_dit(code_dir):
     for attr in ("DiT_models", "Router"):
         if not hasattr(dit, attr):
             raise UserError(f"--paper-code {code_dir}: dit.py has no {attr}; is this a clone of {PAPER_REPO}?")
-    if "mask_ratio" not in inspect.signature(dit.Router.get_mask).parameters:
+    calls_mask_ratio = "mask_ratio=" in (code_dir / "dit.py").read_text()
+    if calls_mask_ratio and "mask_ratio" not in inspect.signature(dit.Router.get_mask).parameters:
         published = dit.Router
 
         class RouterAcceptingMaskRatio(published):
