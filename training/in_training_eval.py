@@ -1,7 +1,7 @@
 """FID during training: every `train.eval.eval_interval` steps, sample `train.eval.fid_num_samples`
 images with the EMA model (the seeds are spread over the processes, one generator per seed, so the
 images do not depend on the process count), score them against the dataset's reference on the main
-process, log the numbers and save a sample grid.
+process, log the numbers and save a sample grid (one row per class, the metrics in its caption).
 
 The embedded digits use the same pipeline at toy scale: a small CNN classifier shipped in
 `evaluations/` stands in for Inception and the held-out split is the reference. ImageNet latents are
@@ -16,13 +16,14 @@ import torch
 
 from data.decoders import decoder_for
 from data.digits import load_digits_split
-from evaluations.digits_classifier import digits_reference_statistics, load_digits_classifier
+from evaluations.digits_classifier import class_accuracy, digits_reference_statistics, load_digits_classifier
 from evaluations.evaluator import metrics_from_features, reference_from_npz
 from evaluations.features import compute_features
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from generation import generate, save_image_grid
 from training.checkpoint import rng_untouched
+from training.run_log import format_metrics
 from tread_utils.errors import UserError
 
 
@@ -59,6 +60,7 @@ class TrainingEvaluator:
         self.sampler_kwargs = dict(e.sampler)
         self.all_metrics = bool(e.all_metrics)
         self.samples_dir = Path(run_dir) / "samples"
+        self.last_grid = None  # the newest grid's path, for the run's closing summary
         device = accelerator.device
         self.decoder = decoder_for(cfg.dataset, device=device)
         self.extractor, self.reference, self.memorisation = None, None, None
@@ -86,10 +88,13 @@ class TrainingEvaluator:
             else:
                 mu, sigma = feature_statistics(feats["pool"])
                 metrics = {"fid": frechet_distance(mu, sigma, self.reference["mu"], self.reference["sigma"])}
-            if self.memorisation is not None:
+            if self.memorisation is not None:  # digits
+                metrics["class_acc"] = class_accuracy(images, labels, self.extractor)
                 metrics["nn_ratio"] = nearest_neighbour_ratio(images, *self.memorisation)
             self.samples_dir.mkdir(parents=True, exist_ok=True)
-            save_image_grid(self.samples_dir / f"step_{step:08d}.png", images[:64])
+            self.last_grid = save_image_grid(self.samples_dir / f"step_{step:08d}.png", images, labels,
+                                             num_classes=getattr(net, "num_classes", None),
+                                             caption=f"step {step}: {format_metrics(metrics)}")
             metrics["eval_seconds"] = time.time() - t0
         self.accelerator.wait_for_everyone()
         return metrics
