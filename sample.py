@@ -101,6 +101,7 @@ def run(cfg) -> None:
 
     import generation
     from data.decoders import decoder_for
+    from evaluations.digits_classifier import class_accuracy
     from training import checkpoint as ckpt
     from tread_utils.files import check_output_path
     from tread_utils.precision import set_precision_policy
@@ -114,6 +115,7 @@ def run(cfg) -> None:
     if class_labels is not None and (isinstance(class_labels, bool) or not isinstance(class_labels, int)):
         raise UserError(f"class_labels must be null (random per seed) or a class index, got {class_labels!r}")
     grid_images = _positive_int(cfg.grid_images, "grid_images")
+    grid_per_class = _positive_int(cfg.grid_per_class, "grid_per_class")
 
     out = check_output_path(cfg.out, ".npz", "out")
     grid = check_output_path(cfg.grid, ".png", "grid") if cfg.grid else None
@@ -136,6 +138,7 @@ def run(cfg) -> None:
               f"process(es) on {accelerator.device}: sampler {sampler_kwargs['name']}, {sampler_kwargs['num_steps']} "
               f"steps, cfg_scale {cfg.cfg_scale}, routing guidance "
               f"{'off' if cfg.routing_guidance.scale is None else cfg.routing_guidance.scale}", flush=True)
+    step = state["step"]
     del state
     images, labels = generation.generate(guided, seeds, sampler_kwargs=sampler_kwargs, decoder=decoder,
                                        batch_size=batch_size, device=accelerator.device, accelerator=accelerator,
@@ -143,9 +146,17 @@ def run(cfg) -> None:
     if main:
         generation.save_samples_npz(out, images, labels)
         print(f"wrote {out}: arr_0 {images.dtype} {list(images.shape)}, arr_1 {labels.dtype} {list(labels.shape)}")
+        caption = (f"{path.name}: step {step}, {sampler_kwargs['name']} {sampler_kwargs['num_steps']} steps, "
+                   f"cfg_scale {cfg.cfg_scale}")
+        if run_cfg.get("dataset", {}).get("kind") == "digits":
+            acc = class_accuracy(images, labels)
+            caption += f", class_acc {acc:.3f}"
+            print(f"class_acc {acc:.3f}: the shipped digits classifier reads that fraction of the samples as "
+                  f"the digit they were conditioned on")
         if grid is not None:
-            generation.save_image_grid(grid, images, grid_images)
-            print(f"wrote {grid} ({min(len(images), grid_images)} images)")
+            generation.save_image_grid(grid, images, labels, num_classes=net.num_classes, per_class=grid_per_class,
+                                       max_images=grid_images, caption=caption)
+            print(f"wrote {grid}")
     accelerator.end_training()
 
 

@@ -9,7 +9,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.digits import load_digits_split  # noqa: E402
-from evaluations.digits_classifier import (WEIGHTS_PATH, accuracy, digits_fid,  # noqa: E402
+from data.decoders import decoder_for  # noqa: E402
+from evaluations.digits_classifier import (WEIGHTS_PATH, accuracy, class_accuracy, digits_fid,  # noqa: E402
                                            digits_reference_statistics, evaluate_digits, load_digits_classifier)
 from data.images import latents_to_uint8  # noqa: E402
 
@@ -68,3 +69,15 @@ def test_reference_statistics_and_fid_sanity(classifier, reference):
     # uint8 images give the same numbers as the latents they come from
     assert digits_fid(latents_to_uint8(train), classifier, reference) == pytest.approx(fid_train, rel=1e-9)
     assert np.isfinite(metrics["sfid"])
+
+
+def test_class_accuracy_of_held_out_digits_and_of_shuffled_labels(classifier):
+    """Held-out digits, decoded the way generated digits are, score the classifier's accuracy; with their
+    labels shuffled they score chance. For a near-perfect classifier a random permutation scores
+    sum_c (n_c / N)^2, about 0.1 for ten balanced classes, with a standard deviation near
+    sqrt(0.1 * 0.9 / 297) = 0.017: the band 0.04-0.17 is about four of those either side."""
+    latents, labels = load_digits_split("test", resolution=16)
+    images = decoder_for({"kind": "digits"}).decode(latents).numpy()
+    assert class_accuracy(images, labels, classifier) == pytest.approx(295 / 297, abs=2 / 297)
+    shuffled = np.random.default_rng(0).permutation(labels.numpy())
+    assert 0.04 <= class_accuracy(images, shuffled, classifier) <= 0.17

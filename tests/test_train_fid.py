@@ -1,7 +1,9 @@
 """FID during training on the embedded digits: logged at every eval step, with a sample grid, and falling;
-the evaluator never moves the training random streams."""
+the evaluator never moves the training random streams; a run logging to a file writes plain lines."""
 import json
 import random
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -9,7 +11,9 @@ from accelerate import Accelerator
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO, run_script, tiny_overrides
+from PIL import Image
+
+from conftest import REPO, command, run_script, subprocess_env, tiny_overrides
 from dit import get_model
 from training.checkpoint import capture_rng_state
 from training.diffuser import build_denoiser
@@ -56,3 +60,31 @@ def test_evaluator_leaves_the_training_random_streams_untouched(tmp_path):
     numpy_before, numpy_after = before["numpy"], after["numpy"]
     assert torch.equal(numpy_before.pop("keys"), numpy_after.pop("keys")) and numpy_before == numpy_after
     assert before["python"] == after["python"]
+
+
+def test_run_logging_to_a_file_writes_plain_lines_metrics_and_a_summary(tmp_path):
+    """stdout and stderr in a file, as on a cluster: one short line per log interval (no progress bar's
+    carriage returns), the evaluations, class_acc beside fid and nn_ratio, and a closing summary line."""
+    log = tmp_path / "train.log"
+    args = [f"results_dir={tmp_path}", "run_name=log", *tiny_overrides("tread"), "train.max_steps=6",
+            "train.logging.log_interval=2", "train.eval.eval_interval=3", "train.eval.fid_num_samples=32",
+            "train.eval.sampler.num_steps=2"]
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, *command("train.py"), *args], cwd=REPO, env=subprocess_env(),
+                              stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    lines = text.splitlines()
+    assert "\r" not in text and max(map(len, lines)) < 300, max(lines, key=len)
+    for step in (2, 4, 6):
+        assert any(line.startswith(f"step {step}/6  loss ") and "it/s  ETA " in line for line in lines), text
+    assert any(line.startswith("step 3: fid ") and "class_acc" in line for line in lines), text
+    grid = tmp_path / "log" / "samples" / "step_00000006.png"
+    summary = [line for line in lines if line.startswith("done: step 6 in ")]
+    assert len(summary) == 1 and "class_acc" in summary[0] and "nn_ratio" in summary[0], text
+    assert summary[0].endswith(f"grid {grid}")
+    with Image.open(grid) as image:
+        assert image.width >= 512
+    evals = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if "fid" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all(0 <= r["class_acc"] <= 1 for r in evals)

@@ -119,7 +119,7 @@ def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
             f"{r['flops_per_step_dense'] / 1e9:.2f} G, routed {r['flops_per_step_routed'] / 1e9:.2f} G -> speed-up "
             f"bound {r['flop_speedup_bound']:.3f}x; block activation memory ~{r['activation_memory_fraction']:.0%} "
             f"of dense; tokens per block {r['tokens_per_block']}" + (
-                f"; block(s) {r['fp32_blocks']} after the route run in float32 under mixed precision (TF32 "
+                f"\n  block(s) {r['fp32_blocks']} after the route run in float32 under mixed precision (TF32 "
                 f"matmuls on CUDA unless train.tf32=false): {r['fp32_flop_fraction']:.1%} of the routed step's "
                 f"FLOPs" if r["fp32_blocks"] else ""))
 

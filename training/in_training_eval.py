@@ -1,7 +1,7 @@
 """FID during training: every `train.eval.eval_interval` steps, sample `train.eval.fid_num_samples`
 images with the EMA model (the seeds are spread over the processes, one generator per seed, so the
 images do not depend on the process count), score them against the dataset's reference on the main
-process, log the numbers and save a sample grid.
+process, log the numbers and save a sample grid (one row per class, the metrics in its caption).
 
 As in the authors' code, the seeds start at 100000 (`train.eval.seed`), `train.eval.cfg_scales` is a list
 with one FID per scale (null or 1 = unguided, logged as `fid`; a guided scale s as `fid_cfg<s>`, e.g.
@@ -22,13 +22,14 @@ import torch
 
 from data.decoders import decoder_for
 from data.digits import load_digits_split
-from evaluations.digits_classifier import digits_reference_statistics, load_digits_classifier
+from evaluations.digits_classifier import class_accuracy, digits_reference_statistics, load_digits_classifier
 from evaluations.evaluator import metrics_from_features, reference_from_npz
 from evaluations.features import compute_features
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from generation import build_guided_net, generate, save_image_grid
 from training.checkpoint import rng_untouched
+from training.run_log import format_metrics
 from tread_utils.errors import UserError
 
 
@@ -76,6 +77,7 @@ class TrainingEvaluator:
         self.sampler_kwargs = dict(e.sampler)
         self.all_metrics = bool(e.all_metrics)
         self.samples_dir = Path(run_dir) / "samples"
+        self.last_grid = None  # the newest grid's path, for the run's closing summary
         device = accelerator.device
         self.decoder = decoder_for(cfg.dataset, device=device)
         self.extractor, self.reference, self.memorisation = None, None, None
@@ -100,9 +102,15 @@ class TrainingEvaluator:
                                           accelerator=self.accelerator, progress=False)
             if self.accelerator.is_main_process:
                 suffix = "" if scale == 1.0 else f"_cfg{scale:g}"
-                metrics.update({f"{k}{suffix}": v for k, v in self.score(images, labels).items()})
+                scores = self.score(images, labels)
+                metrics.update({f"{k}{suffix}": v for k, v in scores.items()})
                 self.samples_dir.mkdir(parents=True, exist_ok=True)
-                save_image_grid(self.samples_dir / f"step_{step:08d}{suffix}.png", images[:64])
+                grid = save_image_grid(self.samples_dir / f"step_{step:08d}{suffix}.png", images, labels,
+                                       num_classes=getattr(net, "num_classes", None),
+                                       caption=f"step {step}{' cfg ' + format(scale, 'g') if suffix else ''}: "
+                                               f"{format_metrics(scores)}")
+                if scale == self.cfg_scales[0]:
+                    self.last_grid = grid
         if self.accelerator.is_main_process:
             metrics["eval_seconds"] = time.time() - t0
         self.accelerator.wait_for_everyone()
@@ -119,7 +127,8 @@ class TrainingEvaluator:
         else:
             mu, sigma = feature_statistics(feats["pool"])
             metrics = {"fid": frechet_distance(mu, sigma, self.reference["mu"], self.reference["sigma"])}
-        if self.memorisation is not None:
+        if self.memorisation is not None:  # digits
+            metrics["class_acc"] = class_accuracy(images, labels, self.extractor)
             metrics["nn_ratio"] = nearest_neighbour_ratio(images, *self.memorisation)
         return metrics
 

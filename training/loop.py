@@ -19,7 +19,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from data import ResumableBatchSampler, build_dataset
 from dit import get_model
@@ -28,8 +27,9 @@ from training.diffuser import build_denoiser, build_objective
 from training.flops import format_report, routing_flop_report
 from training.in_training_eval import TrainingEvaluator
 from training.optimizer import build_adamw
+from training.progress import Progress, format_duration
 from training.run_dir import drop_redone_records, prepare_run_dir
-from training.run_log import MetricsLogger
+from training.run_log import MetricsLogger, format_metrics
 from tread_utils.errors import UserError
 from tread_utils.precision import set_precision_policy
 
@@ -108,6 +108,8 @@ class Run:
     logger: Optional[MetricsLogger] = None
     evaluator: Optional[TrainingEvaluator] = None
     eval_net: Optional[torch.nn.Module] = None
+    started: float = dataclasses.field(default_factory=time.time)
+    last_scores: dict = dataclasses.field(default_factory=dict)  # of the newest evaluation, for the summary
 
     @property
     def ckpt_dir(self) -> Path:
@@ -226,7 +228,7 @@ def save_snapshot(run: Run, step: int):
                    "world_size": accelerator.num_processes,
                    "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                    "config": OmegaConf.to_container(run.cfg, resolve=True)}
-        tqdm.write(f"saved {ckpt.save_checkpoint(payload, run.ckpt_dir, step)}")
+        Progress.write(f"saved {ckpt.save_checkpoint(payload, run.ckpt_dir, step)}")
     accelerator.wait_for_everyone()
 
 
@@ -250,13 +252,25 @@ def evaluate(run: Run, step: int):
     scores = run.evaluator(run.eval_net, step)
     if run.logger is not None:
         run.logger.log(step, scores)
-        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+        run.last_scores = scores
+        Progress.write(f"step {step}: {format_metrics(scores)}")
+
+
+def summary_line(run: Run, step: int) -> str:
+    """The run in one line: the newest evaluation's headline numbers, the wall clock, the grid."""
+    shown = {k: v for k, v in run.last_scores.items() if k in ("fid", "class_acc", "nn_ratio")}
+    grid = run.evaluator.last_grid if run.evaluator is not None else None
+    return (f"done: step {step} in {format_duration(time.time() - run.started)}"
+            + (f"; {format_metrics(shown)}" if shown else "; no evaluation this session")
+            + (f"; grid {grid}" if grid is not None else ""))
 
 
 def training_loop(cfg: DictConfig, end_training: bool = True):
     """Train until train.max_steps. `end_training=False` keeps the process group alive (one launch that runs
     a whole Hydra sweep)."""
+    started = time.time()
     run = setup(cfg)
+    run.started = started
     accelerator, device, world = run.accelerator, run.accelerator.device, run.accelerator.num_processes
     t, o = cfg.train, cfg.train.optimizer
     num_classes, drop_prob = cfg.model.params.num_classes, t.general.class_drop_prob
@@ -269,8 +283,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True):
     if step >= t.max_steps and accelerator.is_main_process:
         print(f"run {cfg.run_name} is already complete at step {step}; raise train.max_steps, or start over "
               f"with resume=false or a new run_name")
-    bar = tqdm(total=t.max_steps, initial=step, disable=not accelerator.is_main_process, dynamic_ncols=True,
-               desc="train")
+    bar = Progress(t.max_steps, step, accelerator.is_main_process)
     try:
         while step < t.max_steps:
             # Update weights.
@@ -302,7 +315,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True):
                                           "images_per_sec": steps_per_sec * t.general.batch_size,
                                           "epoch": step * run.accum / run.sampler.steps_per_epoch, "lr": o.lr,
                                           "world_size": world})
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", it_s=f"{steps_per_sec:.2f}")
+                    bar.interval(step, mean_loss, steps_per_sec)
                 loss_sum.zero_()
                 steps_since_log, t_log = 0, time.time()
 
@@ -323,10 +336,10 @@ def training_loop(cfg: DictConfig, end_training: bool = True):
                 sys.exit(128 + int(stop.signum or 15))
     finally:
         bar.close()
-    finish(run, bad_step, end_training)
+    finish(run, bad_step, end_training, step)
 
 
-def finish(run: Run, bad_step: torch.Tensor, end_training: bool):
+def finish(run: Run, bad_step: torch.Tensor, end_training: bool, step: int):
     if run.logger is not None:
         run.logger.close()
     bad = int(run.accelerator.reduce(bad_step, "max").item())
@@ -335,5 +348,7 @@ def finish(run: Run, bad_step: torch.Tensor, end_training: bool):
         kept = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was written"
         raise UserError(f"the loss became NaN/inf at step {bad}; training stopped and {kept} (untouched); "
                         f"try a lower train.optimizer.lr, train.optimizer.grad_clip=1.0 or bf16 instead of fp16")
+    if run.accelerator.is_main_process:
+        print(summary_line(run, step), flush=True)
     if end_training:
         run.accelerator.end_training()

@@ -14,6 +14,11 @@ def _jsonable(value):
     return value
 
 
+def format_metrics(metrics: dict) -> str:
+    """`fid 23.41, class_acc 0.9, ...`: four significant digits, for log lines and grid captions."""
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in metrics.items())
+
+
 class MetricsLogger:
     def __init__(self, run_dir, tensorboard: bool = True, wandb_cfg=None, config_dict=None, run_name=None):
         self.run_dir = Path(run_dir)
