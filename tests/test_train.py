@@ -84,7 +84,7 @@ def start_and_kill_after_checkpoint(tmp_path, run_name, sig, ckpt_step=40):
 # Exact resume with in-training evaluation ON, as every real run has it: the model's default digits config
 # (the real digits scorer, all metrics, nn_ratio), with a tiny model and a small evaluation for speed.
 # Checkpoint and evaluation share a step, as in the default config.
-EVAL_ON = ["train.eval.eval_interval=20", "train.eval.fid_num_samples=16", "train.eval.batch_size=16",
+EVAL_ON = ["train.eval.eval_interval=20", "train.eval.fid_num_samples=128", "train.eval.batch_size=64",
            "train.eval.sampler.num_steps=2"]
 
 
