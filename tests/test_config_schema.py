@@ -106,6 +106,7 @@ def test_shipped_configs_pass(overrides):
     (["train.eval.sampler.name=rk4"], "unknown sampler"),
     (["dataset=imagenet256", "dataset.train_path=/"], "ref_batch"),
     (["init_from=/does/not/exist"], "init_from"),
+    (["+dataset.posterior_sampling=false"], "dataset.kind=shards only"),
 ])
 def test_more_rules_in_process(overrides, needle):
     with pytest.raises(UserError, match=re.escape(needle)):

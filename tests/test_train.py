@@ -144,6 +144,7 @@ def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path):
     assert code == 128 + signal.SIGTERM, out
     step = final_state(tmp_path / "term")["step"]
     assert "stopped by signal" in out and f"at step {step}" in out and step >= 20
+    assert not (tmp_path / "term" / "run.lock").exists(), "a run stopped by a signal releases its lock"
     subprocess.run(train_args(tmp_path, "term"), cwd=REPO, env=subprocess_env(), check=True, capture_output=True,
                    timeout=300)
     assert final_state(tmp_path / "term")["step"] == 120

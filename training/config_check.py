@@ -230,6 +230,10 @@ def check_train_config(cfg, world_size: int = 1):
         raise UserError(f"{key} is required{_doc(S.ConfigSchema, key)}: set {key}=... on the command line")
     for key, ok, allowed, fix in RANGES:
         check(merged, key, ok, allowed, fix)
+    if merged.dataset.kind != "shards":
+        for name in sorted(set(data["dataset"]) & set(S.SHARDS_ONLY)):
+            raise refuse(f"dataset.{name}", data["dataset"][name], f"left out: it applies to dataset.kind=shards "
+                         f"only, this is {merged.dataset.kind}", "remove the override")
     check_sampler(merged, "train.eval.sampler")
     check_cross(merged, world_size)
     check_paths(merged)

@@ -29,6 +29,7 @@ SELECTIONS = ("random", "importance")                # routing_module.SELECTIONS
 # the covariance of fewer samples than this is singular and the FID meaningless.
 SCORER_FEATURE_DIMS = {"digits": 128, "shards": 2048}
 MIXED_PRECISION = ("no", "bf16", "fp16")
+SHARDS_ONLY = ("train_path", "scale_factor", "random_flip", "posterior_sampling", "vae")  # dataset keys
 MODEL_INITS = ("official", "adaln_zero")
 
 
