@@ -6,7 +6,7 @@ here (MISSING), a key it may leave out has its default here (None = "decided els
 
 Light on purpose (dataclasses and omegaconf only): a bad config is refused before torch is imported.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, List, Optional
 
 from omegaconf import MISSING
@@ -93,26 +93,29 @@ class DatasetSchema:
     vae: Optional[str] = key("shards: SD-VAE folder or repo id for decoding (null: stabilityai/sd-vae-ft-ema)", None)
 
 
-@dataclass
-class SamplerSchema:
-    name: Optional[str] = key("edm (Heun) | heun | euler | ablation | flow (null: edm)", None)
-    num_steps: Optional[int] = key("sampling steps, >= 1 (null: 40)", None)
-    sigma_min: Optional[float] = key("lowest noise level, < sigma_max", None)
-    sigma_max: Optional[float] = key("highest noise level", None)
-    rho: Optional[float] = key("time-step exponent", None)
-    S_churn: Optional[float] = key("stochasticity (0: deterministic ODE)", None)
-    S_min: Optional[float] = key("churn only above this sigma", None)
-    S_max: Optional[float] = key("churn only below this sigma", None)
-    S_noise: Optional[float] = key("churn noise scale", None)
-    solver: Optional[str] = key("ablation and flow: heun | euler", None)
-    discretization: Optional[str] = key("ablation: edm | vp | ve | iddpm", None)
-    schedule: Optional[str] = key("ablation: linear | vp | ve", None)
-    scaling: Optional[str] = key("ablation: none | vp", None)
-    alpha: Optional[float] = key("ablation: Heun's intermediate point", None)
-    epsilon_s: Optional[float] = key("ablation (vp)", None)
-    C_1: Optional[float] = key("ablation (iddpm)", None)
-    C_2: Optional[float] = key("ablation (iddpm)", None)
-    M: Optional[int] = key("ablation (iddpm)", None)
+# sampler key -> (type, meaning); every key may be null: the sampler's own default
+SAMPLER_KEYS = {
+    "name": (str, "edm (Heun) | heun | euler | ablation | flow (null: edm)"),
+    "num_steps": (int, "sampling steps, >= 1 (null: 40)"),
+    "sigma_min": (float, "lowest noise level, < sigma_max"),
+    "sigma_max": (float, "highest noise level"),
+    "rho": (float, "time-step exponent"),
+    "S_churn": (float, "stochasticity (0: deterministic ODE)"),
+    "S_min": (float, "churn only above this sigma"),
+    "S_max": (float, "churn only below this sigma"),
+    "S_noise": (float, "churn noise scale"),
+    "solver": (str, "ablation and flow: heun | euler"),
+    "discretization": (str, "ablation: edm | vp | ve | iddpm"),
+    "schedule": (str, "ablation: linear | vp | ve"),
+    "scaling": (str, "ablation: none | vp"),
+    "alpha": (float, "ablation: Heun's intermediate point"),
+    "epsilon_s": (float, "ablation (vp)"),
+    "C_1": (float, "ablation (iddpm)"),
+    "C_2": (float, "ablation (iddpm)"),
+    "M": (int, "ablation (iddpm)"),
+}
+SamplerSchema = make_dataclass("SamplerSchema", [(name, Optional[tp], key(doc, None))
+                                                 for name, (tp, doc) in SAMPLER_KEYS.items()])
 
 
 @dataclass
