@@ -215,8 +215,9 @@ PAPER_ONLY_VALUES = {"cond_mode": ("adaln", "adaLN conditioning is the only one 
                      "learn_sigma": (False, "EDM's denoiser predicts no variance")}
 
 
-def get_model(backbone_type: str, params) -> DiT:
-    """Build a backbone from the registry; `params` holds the config keys (and may override sizes)."""
+def model_kwargs(backbone_type: str, params) -> dict:
+    """The checked arguments of `DiT` for a registry name and the config's `model.params` (which may override
+    sizes); raises a one-line UserError for an unknown backbone, key or value, routes included."""
     if backbone_type not in DiT_models:
         raise UserError(f"unknown backbone {backbone_type!r}; choose one of {', '.join(DiT_models)} "
                         f"(model.backbone_type)")
@@ -238,4 +239,10 @@ def get_model(backbone_type: str, params) -> DiT:
         raise UserError(f"model.params.block_type must be 'attention' or 'ssm', got {kwargs['block_type']!r}")
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
-    return DiT(**kwargs)
+    resolve_routes(kwargs["routes"], kwargs["depth"])
+    return kwargs
+
+
+def get_model(backbone_type: str, params) -> DiT:
+    """Build a backbone from the registry; `params` holds the config keys (and may override sizes)."""
+    return DiT(**model_kwargs(backbone_type, params))

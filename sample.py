@@ -22,6 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from training.config_check import check_sample_config
 from tread_utils.errors import UserError, exit_with
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -66,10 +67,12 @@ def compose_config(argv):
     GlobalHydra.instance().clear()  # a CLI entry point: ours is the only Hydra configuration
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="sample"):
-            return compose(CONFIG_NAME, overrides=overrides)
+            cfg = compose(CONFIG_NAME, overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise UserError(f"cannot read the options: {' '.join(lines[:2])}") from None
+    check_sample_config(cfg)  # types and sampler ranges (training.config_schema.SampleSchema)
+    return cfg
 
 
 def _positive_int(value, name: str) -> int:

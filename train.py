@@ -5,20 +5,25 @@
 
 Restarting with the same run_name resumes from the newest checkpoint (model, EMA, optimizer, step,
 RNG states; the data position is the step). SIGTERM/SIGINT save a checkpoint before exiting.
-The loop itself is `training.loop.training_loop`; this file is the Hydra entry point.
+The whole config is checked first (`training.config_check`, one line and exit code 2 for a bad value,
+nothing written), then the run directory is locked (`training.run_lock`): a second launch of a running
+run is refused. The loop itself is `training.loop.training_loop`; this file is the Hydra entry point.
 """
+import os
+import signal
 import sys
 import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from training.loop import training_loop
-from training.run_dir import write_status
+from training.config_check import check_train_config, hydra_error_line
+from training.run_lock import RunLock
 from tread_utils.errors import UserError, exit_with, one_line
 
 
@@ -37,13 +42,52 @@ def job_run_name(cfg) -> str:
     return f"{cfg.run_name}/{(job.override_dirname or str(job.num)).replace('/', '_')}"
 
 
+def refuse_job(cfg, message: str, run_dir=None):
+    """A single run exits with one line; a sweep job is reported (and recorded in `run_dir` if given)."""
+    if not is_multirun():
+        if int(os.environ.get("RANK", 0)) != 0:
+            sys.exit(2)  # rank 0 says it
+        exit_with(message)
+    if run_dir is not None:
+        from training.run_dir import write_status
+        write_status(run_dir, "failed", error=one_line(message))
+    print(f"error: {one_line(message)} (job {cfg.run_name} not run; the sweep goes on)", file=sys.stderr)
+
+
+def _exit_on_sigterm(signum, frame):
+    sys.exit(128 + signum)  # until the loop installs its own handler: unwinds, so the lock is released
+
+
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
     cfg.run_name = job_run_name(cfg)
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
+    try:  # before any side effect
+        check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    except UserError as e:
+        return refuse_job(cfg, str(e), run_dir)
+    lock = RunLock(run_dir, cfg.lock_stale_minutes) if int(os.environ.get("RANK", 0)) == 0 else None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except UserError as e:  # the run is someone else's: nothing of it is touched
+            return refuse_job(cfg, str(e))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        run(cfg, run_dir, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run(cfg, run_dir: Path, lock):
+    from training.loop import training_loop  # torch and the model code load only for a valid config
+    from training.run_dir import write_status
+
     try:
         write_status(run_dir, "running")
-        training_loop(cfg, end_training=not is_multirun())  # a sweep's jobs share one process group
+        training_loop(cfg, end_training=not is_multirun(),  # a sweep's jobs share one process group
+                      heartbeat=lock.refresh if lock is not None else None)
         write_status(run_dir, "completed")
     except SystemExit as e:  # a signal stopped the run after its checkpoint
         write_status(run_dir, "stopped", exit_code=e.code)
@@ -64,4 +108,8 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
-    main()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors (bad overrides) to us: one line, exit code 2
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        exit_with(hydra_error_line(e))

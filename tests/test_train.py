@@ -84,7 +84,7 @@ def start_and_kill_after_checkpoint(tmp_path, run_name, sig, ckpt_step=40):
 # Exact resume with in-training evaluation ON, as every real run has it: the model's default digits config
 # (the real digits scorer, all metrics, nn_ratio), with a tiny model and a small evaluation for speed.
 # Checkpoint and evaluation share a step, as in the default config.
-EVAL_ON = ["train.eval.eval_interval=20", "train.eval.fid_num_samples=16", "train.eval.batch_size=16",
+EVAL_ON = ["train.eval.eval_interval=20", "train.eval.fid_num_samples=128", "train.eval.batch_size=64",
            "train.eval.sampler.num_steps=2"]
 
 
@@ -144,6 +144,7 @@ def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path):
     assert code == 128 + signal.SIGTERM, out
     step = final_state(tmp_path / "term")["step"]
     assert "stopped by signal" in out and f"at step {step}" in out and step >= 20
+    assert not (tmp_path / "term" / "run.lock").exists(), "a run stopped by a signal releases its lock"
     subprocess.run(train_args(tmp_path, "term"), cwd=REPO, env=subprocess_env(), check=True, capture_output=True,
                    timeout=300)
     assert final_state(tmp_path / "term")["step"] == 120
@@ -193,7 +194,7 @@ def bad(tmp_path, *overrides):
     (["model.backbone_type=DiT-Q/2"], "unknown backbone"),
     (["dataset=imagenet256", "dataset.train_path=/does/not/exist"], "/does/not/exist"),
     (["dataset=imagenet256"], "dataset.train_path"),
-    (["train.general.grad_accum_steps=3"], "gradient-accumulation"),
+    (["train.general.grad_accum_steps=3"], "grad_accum_steps"),
     (["model.params.init=xavier"], "model.params.init"),
     (["train.eval.eval_interval=2", "train.general.class_drop_prob=0", "train.eval.cfg_scales=[null,1.5]"],
      "no unconditional mode"),

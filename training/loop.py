@@ -39,23 +39,6 @@ def update_ema(ema_params, model_params, decay: float):
     torch._foreach_lerp_(ema_params, model_params, 1.0 - decay)
 
 
-def check_config(cfg, world_size: int):
-    g = cfg.train.general
-    accum = g.get("grad_accum_steps", 1)
-    if not isinstance(accum, int) or accum < 1:
-        raise UserError(f"train.general.grad_accum_steps must be a positive integer, got {accum}")
-    if g.batch_size % (world_size * accum):
-        raise UserError(f"train.general.batch_size={g.batch_size} is not divisible by the {world_size} processes x "
-                        f"{accum} gradient-accumulation steps; change the batch size or grad_accum_steps")
-    if not 0.0 <= g.class_drop_prob < 1.0:
-        raise UserError(f"train.general.class_drop_prob must be in [0, 1), got {g.class_drop_prob}")
-    for key in ("max_steps", "ckpt_every"):
-        if cfg.train[key] <= 0:
-            raise UserError(f"train.{key} must be a positive number of steps, got {cfg.train[key]}")
-    if cfg.train.logging.log_interval <= 0:
-        raise UserError(f"train.logging.log_interval must be positive, got {cfg.train.logging.log_interval}")
-
-
 def set_cpu_threads(setting, local_processes: int):
     """`accelerate launch` sets OMP_NUM_THREADS=1 unless told otherwise; on a CPU run, `auto` gives each
     local process its share of the cores instead."""
@@ -122,7 +105,6 @@ def setup(cfg: DictConfig) -> Run:
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=not torch.cuda.is_available())
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
-    check_config(cfg, world)
     set_precision_policy(cfg.train.tf32)
     if device.type == "cpu":
         set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -265,10 +247,12 @@ def summary_line(run: Run, step: int) -> str:
             + (f"; grid {grid}" if grid is not None else ""))
 
 
-def training_loop(cfg: DictConfig, end_training: bool = True):
-    """Train until train.max_steps. `end_training=False` keeps the process group alive (one launch that runs
-    a whole Hydra sweep)."""
+def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
+    """Train until train.max_steps, on a config `training.config_check` accepted. `end_training=False` keeps
+    the process group alive (one launch that runs a whole Hydra sweep); `heartbeat()` is called at every log
+    step, checkpoint and evaluation (the run lock's refresh)."""
     started = time.time()
+    heartbeat = heartbeat or (lambda: None)
     run = setup(cfg)
     run.started = started
     accelerator, device, world = run.accelerator, run.accelerator.device, run.accelerator.num_processes
@@ -318,18 +302,21 @@ def training_loop(cfg: DictConfig, end_training: bool = True):
                     bar.interval(step, mean_loss, steps_per_sec)
                 loss_sum.zero_()
                 steps_since_log, t_log = 0, time.time()
+                heartbeat()
 
             # Save snapshot (never one with a non-finite loss in it).
             if step % t.ckpt_every == 0 or step == t.max_steps or stop_now:
                 if int(accelerator.reduce(bad_step, "max").item()) >= 0:
                     break
                 save_snapshot(run, step)
+                heartbeat()
 
             # Evaluate.
             if run.evaluator is not None and (step % t.eval.eval_interval == 0 or step == t.max_steps) \
                     and not stop_now:
                 evaluate(run, step)
                 t_log = time.time()  # evaluation time is not training time
+                heartbeat()
             if stop_now:
                 bar.close()
                 print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run the same command to resume")

@@ -9,12 +9,16 @@ from training.checkpoint import list_checkpoints
 from tread_utils.files import atomic_write_text
 
 
-def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool):
-    """With resume=false, an earlier run under the same name is moved aside, never deleted."""
+def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, keep=("run.lock",)):
+    """With resume=false, an earlier run under the same name is moved aside, never deleted. The launch's
+    run lock (`keep`) stays, so the directory is never unowned."""
     if resume or not list_checkpoints(run_dir / "checkpoints") or not is_main:
         return
     backup = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.rename(backup)
+    backup.mkdir()
+    for entry in run_dir.iterdir():
+        if entry.name not in keep:
+            entry.rename(backup / entry.name)
     print(f"resume=false: moved the earlier run to {backup}")
 
 

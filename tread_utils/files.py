@@ -8,9 +8,10 @@ from pathlib import Path
 from tread_utils.errors import EXIT_USER_ERROR, UserError
 
 
-def atomic_write(path, write, mode: str = "wb") -> Path:
+def atomic_write(path, write, mode: str = "wb", exclusive: bool = False) -> Path:
     """`write(file)` into a hidden temporary file beside `path`, fsync, then rename it onto `path`:
-    a reader sees the old file or the new one, never half of one, and a crash leaves `path` untouched."""
+    a reader sees the old file or the new one, never half of one, and a crash leaves `path` untouched.
+    `exclusive`: link instead of rename, so that FileExistsError is raised if `path` exists (a lock)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -18,15 +19,15 @@ def atomic_write(path, write, mode: str = "wb") -> Path:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        (os.link if exclusive else os.replace)(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
     return path
 
 
-def atomic_write_text(path, text: str) -> Path:
-    return atomic_write(path, lambda f: f.write(text), mode="w")
+def atomic_write_text(path, text: str, exclusive: bool = False) -> Path:
+    return atomic_write(path, lambda f: f.write(text), mode="w", exclusive=exclusive)
 
 
 def check_output_path(path, suffix: str, what: str) -> Path:

@@ -1,0 +1,169 @@
+"""The config schema and its validation pass: bad values through the real command line (one line, exit 2,
+the results directory untouched), every shipped config accepted, the README's reference and the registries
+the schema names kept in step with it."""
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO, assert_one_line_error, subprocess_env
+from training import config_schema as S
+from training.config_check import check_train_config, conform, schema_at, schema_keys
+from tread_utils.errors import UserError
+
+# case -> (overrides of the default digits config, words the error line must name)
+BAD = {
+    "batch_size_zero": (["train.general.batch_size=0"], "train.general.batch_size=0"),
+    "negative_lr": (["train.optimizer.lr=-1"], "train.optimizer.lr"),
+    "ema_decay_above_one": (["train.ema.decay=1.5"], "train.ema.decay=1.5"),
+    "fid_below_feature_dims": (["train.eval.fid_num_samples=10"], "at least 128"),
+    "fid_below_inception_dims": (["dataset=imagenet256", "dataset.train_path=/", "train.eval.ref_batch=/",
+                                  "train.eval.fid_num_samples=1000"], "at least 2048"),
+    "batch_not_divisible_by_accum": (["train.general.batch_size=63", "train.general.grad_accum_steps=2"],
+                                     "divisible"),
+    "class_drop_one": (["train.general.class_drop_prob=1"], "class_drop_prob"),
+    "zero_log_interval": (["train.logging.log_interval=0"], "log_interval"),
+    "zero_sampler_steps": (["train.eval.sampler.num_steps=0"], "num_steps"),
+    "sigma_min_above_max": (["+train.eval.sampler.sigma_min=80", "+train.eval.sampler.sigma_max=1"], "sigma_min"),
+    "unknown_precision": (["train.mixed_precision=fp8"], "mixed_precision"),
+    "missing_dataset_path": (["dataset=imagenet256", "dataset.train_path=/does/not/exist"], "/does/not/exist"),
+    "lr_not_a_number": (["train.optimizer.lr=abc"], "train.optimizer.lr"),
+    "unknown_key_hydra": (["train.foo=1"], "unknown config key train.foo"),
+    "unknown_key_schema": (["+train.general.foo=1"], "unknown config key train.general.foo"),
+    "unknown_route_key": (["+model.params.routes.0.foo=1"], "model.params.routes.0.foo"),
+    "beta_of_one": (["train.optimizer.betas=[0.9,1.0]"], "betas"),
+    "learn_sigma": (["model.params.learn_sigma=true"], "learn_sigma"),
+    "unknown_init": (["model.params.init=xavier"], "model.params.init"),
+    "negative_cfg_scale": (["train.eval.cfg_scales=[-1]"], "cfg_scales"),
+}
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """Every BAD case through `python train.py`, two at a time, against a results dir holding a run."""
+    results = tmp_path_factory.mktemp("results")
+    run = results / "tread-digits"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "ckpt_00000200.pt").write_bytes(b"a checkpoint")
+    (run / "metrics.jsonl").write_text('{"step": 200, "loss": 0.5}\n')
+    before = snapshot(results)
+
+    def launch(overrides):
+        return subprocess.run([sys.executable, str(REPO / "train.py"), f"results_dir={results}", *overrides],
+                              cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:
+        procs = dict(zip(BAD, pool.map(launch, [overrides for overrides, _ in BAD.values()])))
+    return procs, snapshot(results) == before
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_value_is_refused_in_one_line_before_anything_runs(refused, case):
+    procs, untouched = refused
+    assert_one_line_error(procs[case], BAD[case][1])
+    assert procs[case].returncode == 2
+    assert untouched, "a refused launch wrote to the results directory"
+
+
+def test_the_table_has_at_least_twenty_bad_values():
+    assert len(BAD) >= 20
+
+
+def compose_train(*overrides):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=dit", "diffuser=rf"],
+                                       ["dataset=imagenet256", "dataset.train_path=/", "train.eval.eval_interval=0"]])
+def test_shipped_configs_pass(overrides):
+    merged = check_train_config(compose_train(*overrides), world_size=1)
+    assert merged.model.params.init == "official" and merged.train.general.grad_accum_steps == 1
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.ckpt_every=0"], "train.ckpt_every=0"),
+    (["diffuser.P_std=0"], "P_std"),
+    (["train.eval.eval_interval=-1"], "eval_interval"),
+    (["train.compile=maybe"], "train.compile"),
+    (["train.optimizer.grad_clip=-1"], "grad_clip"),
+    (["train.eval.batch_size=0"], "train.eval.batch_size=0"),
+    (["train.cpu_threads=0"], "train.cpu_threads"),
+    (["+train.dist_timeout_minutes=0"], "dist_timeout_minutes"),
+    (["lock_stale_minutes=0"], "lock_stale_minutes"),
+    (["model.params.cond_mode=film"], "cond_mode"),
+    (["model.params.routes.0.selection=best"], "selection"),
+    (["model.params.routes.0.end_layer_idx=40"], "end_layer_idx=40"),
+    (["train.eval.sampler.name=rk4"], "unknown sampler"),
+    (["dataset=imagenet256", "dataset.train_path=/"], "ref_batch"),
+    (["init_from=/does/not/exist"], "init_from"),
+    (["+dataset.posterior_sampling=false"], "dataset.kind=shards only"),
+])
+def test_more_rules_in_process(overrides, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        check_train_config(compose_train(*overrides), world_size=1)
+
+
+def test_batch_must_divide_over_processes():
+    with pytest.raises(UserError, match="divisible by processes"):
+        check_train_config(compose_train(), world_size=3)
+
+
+def test_sample_yaml_and_sweep_presets_follow_the_schema():
+    sample = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "sample.yaml"))
+    conform(S.SampleSchema, sample)  # no unknown key, every type right
+    assert set(schema_keys(S.SampleSchema)) == set(leaf_keys(sample))
+    for preset in (REPO / "configs" / "sweep").glob("*.yaml"):
+        for swept in OmegaConf.load(preset).hydra.sweeper.params:
+            path = re.sub(r"\.\d+\.", ".", swept)
+            parent, _, name = path.rpartition(".")
+            assert swept in ("model", "global_seed") or name in schema_at(S.ConfigSchema, parent).__dataclass_fields__
+
+
+def leaf_keys(node, prefix=""):
+    for k, v in node.items():
+        yield from leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
+
+
+def readme_keys():
+    """The keys the README's configuration table documents: `a.{b,c}` expanded, `+` dropped."""
+    text = (REPO / "README.md").read_text().split("## Configuration reference")[1].split("\n## ")[0]
+    keys = set()
+    for row in re.findall(r"^\| (.+?) \|", text, flags=re.M):
+        for cell in re.findall(r"`([^`]+)`", row):
+            head, _, rest = cell.lstrip("+").partition("{")
+            names, _, tail = rest.partition("}")
+            keys |= {f"{head}{n.strip()}{tail}" for n in names.split(",")} if rest else {head}
+    return keys
+
+
+def test_readme_reference_matches_the_schema():
+    groups = {p.name for p in (REPO / "configs").iterdir() if p.is_dir() and p.name not in ("hydra", "sweep")}
+    documented, schema = readme_keys(), set(schema_keys(S.ConfigSchema))
+    covered = {k for k in schema for d in documented if d.endswith(".*") and k.startswith(d[:-1])}
+    assert documented - schema - groups - {d for d in documented if d.endswith(".*")} == set(), "not in the schema"
+    assert schema - documented - covered == set(), "schema keys the README does not document"
+
+
+def test_names_the_schema_allows_are_the_registries():
+    import data
+    import dit
+    import generation
+    import routing_module
+    from evaluations import digits_classifier, inception
+    from training.diffuser import DIFFUSERS
+
+    assert set(S.DIFFUSER_NAMES) == set(DIFFUSERS) and set(S.DATASET_KINDS) == set(data.DATASETS)
+    assert set(S.SAMPLER_NAMES) == set(generation.SAMPLERS) and S.SELECTIONS == routing_module.SELECTIONS
+    assert S.SCORER_FEATURE_DIMS == {"digits": digits_classifier.POOL_DIM, "shards": inception.POOL_DIM}
+    assert dit.MODEL_PARAM_KEYS <= set(S.ModelParamsSchema.__dataclass_fields__)
+    assert S.MODEL_INITS == dit.INITS and S.QUANTIZE == data.vae.QUANTIZE

@@ -1,0 +1,264 @@
+"""One validation pass over a composed config, before anything runs: no directory created, no checkpoint
+touched. First the schema (`training.config_schema`: types, unknown keys at every level, route dicts
+included), then the value ranges and cross-field rules. Each refusal is one UserError line naming the key,
+the value, what is allowed and a fix. Only the last step (backbone and routes) imports the model code, so
+a bad value elsewhere is refused before torch is loaded.
+"""
+import dataclasses
+import os
+import typing
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from training import config_schema as S
+from tread_utils.errors import UserError
+
+
+def _field_types(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _list_element(tp):
+    """X for List[X] / Optional[List[X]], else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is list:
+        return args[0] if args else None
+    return _list_element(args[0]) if typing.get_origin(tp) is typing.Union and len(args) == 1 else None
+
+
+def schema_keys(cls, prefix: str = "") -> list:
+    """Every leaf key of a schema, `a.b.c`; a list of schemas as `routes[i].field`."""
+    out = []
+    for name, tp in _field_types(cls).items():
+        element = _list_element(tp)
+        if dataclasses.is_dataclass(tp):
+            out += schema_keys(tp, f"{prefix}{name}.")
+        elif element is not None and dataclasses.is_dataclass(element):
+            out += schema_keys(element, f"{prefix}{name}[i].")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def schema_at(cls, path: str):
+    """The schema class at a dotted path (list indices allowed), or None."""
+    for part in [p for p in path.split(".") if p]:
+        if part.isdigit():
+            continue
+        tp = _field_types(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        cls = _list_element(tp) or tp if tp is not None else None
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+def unknown_key(root, full_key: str) -> UserError:
+    parent, _, name = full_key.rpartition(".")
+    cls = schema_at(root, parent)
+    if cls is not None and name in {f.name for f in dataclasses.fields(cls)}:  # known, but not in the YAML
+        return UserError(f"{full_key} is not in the YAML defaults: add it with +{full_key}=...{_doc(root, full_key)}")
+    known = ", ".join(f.name for f in dataclasses.fields(cls)) if cls else "none"
+    return UserError(f"unknown config key {full_key}; {parent or 'the top level'} has: {known}")
+
+
+def _doc(root, full_key: str) -> str:
+    parent, _, name = full_key.replace("[", ".").replace("]", "").rpartition(".")
+    cls = schema_at(root, parent)
+    found = [f for f in dataclasses.fields(cls) if f.name == name] if cls else []
+    return f" ({found[0].metadata['doc']})" if found else ""
+
+
+def _walk_lists(cls, data, path: str, root):
+    """OmegaConf loses the path of an error inside a list element: check schema lists element by element."""
+    if not isinstance(data, dict):
+        return
+    for name, tp in _field_types(cls).items():
+        value, element = data.get(name), _list_element(tp)
+        if dataclasses.is_dataclass(tp):
+            _walk_lists(tp, value, f"{path}{name}.", root)
+        elif element is not None and dataclasses.is_dataclass(element) and isinstance(value, list):
+            for i, item in enumerate(value):
+                if not isinstance(item, dict):
+                    raise UserError(f"{path}{name}.{i}={item!r} must be a mapping of {element.__name__} keys")
+                conform(element, item, f"{path}{name}.{i}.", root)
+
+
+def conform(cls, data: dict, path: str = "", root=None):
+    """`data` (plain, resolved) merged into the schema `cls`: unknown keys and wrong types are refused."""
+    root = root or cls
+    _walk_lists(cls, data, path, root)
+    try:
+        return OmegaConf.merge(OmegaConf.structured(cls), data)
+    except ConfigKeyError as e:
+        raise unknown_key(root, path + str(e.full_key)) from None
+    except OmegaConfBaseException as e:
+        full_key = path + str(getattr(e, "full_key", "") or "")
+        value = OmegaConf.select(OmegaConf.create(data), full_key[len(path):]) if full_key != path else None
+        reason = str(getattr(e, "msg", e)).splitlines()[0]
+        raise UserError(f"{full_key}={value!r}: {reason}{_doc(root, full_key)}") from None
+
+
+def refuse(key: str, value, allowed: str, fix: str = "") -> UserError:
+    return UserError(f"{key}={value} is not allowed: it must be {allowed}" + (f"; {fix}" if fix else ""))
+
+
+def check(cfg, key: str, ok, allowed: str, fix: str = ""):
+    value = OmegaConf.select(cfg, key)
+    if not ok(value):
+        raise refuse(key, value, allowed, fix or f"e.g. {key}=<a value {allowed}>")
+
+
+def at_least(n):
+    return lambda v: v is not None and v >= n
+
+
+def in_unit(v):  # [0, 1)
+    return v is not None and 0 <= v < 1
+
+
+# (key, test, allowed, fix): single-key ranges of the training config
+RANGES = [
+    ("global_seed", at_least(0), ">= 0", ""),
+    ("lock_stale_minutes", lambda v: v > 0, "> 0 minutes", "e.g. lock_stale_minutes=60"),
+    ("train.max_steps", at_least(1), "at least 1", "e.g. train.max_steps=400000"),
+    ("train.ckpt_every", at_least(1), "at least 1 step", "e.g. train.ckpt_every=50000"),
+    ("train.mixed_precision", lambda v: v in S.MIXED_PRECISION, f"one of {', '.join(S.MIXED_PRECISION)}",
+     "e.g. train.mixed_precision=bf16"),
+    ("train.cpu_threads", lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+     "auto or an integer >= 1", "e.g. train.cpu_threads=auto"),
+    ("train.dist_timeout_minutes", at_least(1), "at least 1 minute", "e.g. train.dist_timeout_minutes=60"),
+    ("train.general.batch_size", at_least(1), "at least 1", "e.g. train.general.batch_size=256"),
+    ("train.general.grad_accum_steps", at_least(1), "at least 1", "e.g. train.general.grad_accum_steps=1"),
+    ("train.general.class_drop_prob", in_unit, "in [0, 1)", "e.g. train.general.class_drop_prob=0.1"),
+    ("train.general.num_workers", at_least(0), ">= 0", "e.g. train.general.num_workers=4"),
+    ("train.optimizer.lr", lambda v: v > 0, "> 0", "e.g. train.optimizer.lr=1e-4"),
+    ("train.optimizer.betas", lambda v: len(v) == 2 and all(in_unit(b) for b in v), "two values in [0, 1)",
+     "e.g. train.optimizer.betas=[0.9,0.999]"),
+    ("train.optimizer.eps", lambda v: v > 0, "> 0", "e.g. train.optimizer.eps=1e-8"),
+    ("train.optimizer.weight_decay", at_least(0), ">= 0", "e.g. train.optimizer.weight_decay=0"),
+    ("train.optimizer.grad_clip", lambda v: v is None or v > 0, "null (no clipping) or > 0",
+     "e.g. train.optimizer.grad_clip=1.0"),
+    ("train.ema.decay", in_unit, "in [0, 1) (1 would never move the EMA)", "e.g. train.ema.decay=0.9999"),
+    ("train.logging.log_interval", at_least(1), "at least 1 step", "e.g. train.logging.log_interval=100"),
+    ("train.eval.eval_interval", at_least(0), ">= 0 (0 = off)", "e.g. train.eval.eval_interval=50000"),
+    ("train.eval.batch_size", at_least(1), "at least 1", "e.g. train.eval.batch_size=64"),
+    ("train.eval.seed", at_least(0), ">= 0", "e.g. train.eval.seed=100000"),
+    ("train.eval.cfg_scales", lambda v: len(v) >= 1 and all(s is None or s >= 0 for s in v),
+     "a non-empty list of scales >= 0 or null (1 and null: unguided)", "e.g. train.eval.cfg_scales=[null,1.5]"),
+    ("dataset.quantize", lambda v: v in S.QUANTIZE, f"one of {', '.join(S.QUANTIZE)}", "e.g. dataset.quantize=truncate"),
+    ("diffuser.name", lambda v: v in S.DIFFUSER_NAMES, f"one of {', '.join(S.DIFFUSER_NAMES)}", "e.g. diffuser=edm"),
+    ("diffuser.P_std", lambda v: v > 0, "> 0", "e.g. diffuser.P_std=1.2"),
+    ("diffuser.sigma_data", lambda v: v > 0, "> 0", "e.g. diffuser.sigma_data=0.5"),
+    ("dataset.kind", lambda v: v in S.DATASET_KINDS, f"one of {', '.join(S.DATASET_KINDS)}", "e.g. dataset=digits"),
+    ("model.params.init", lambda v: v in S.MODEL_INITS, f"one of {', '.join(S.MODEL_INITS)}",
+     "e.g. model.params.init=official"),
+    ("model.params.cond_mode", lambda v: v == "adaln", "adaln (the only conditioning implemented)",
+     "remove the override"),
+    ("model.params.learn_sigma", lambda v: v is False, "false (a learned variance is not implemented)",
+     "remove the override"),
+]
+for _name in ("num_classes", "in_channels", "input_size"):
+    RANGES.append((f"model.params.{_name}", at_least(1), "at least 1", f"set dataset.{_name}"))
+
+
+def check_sampler(cfg, prefix: str):
+    """A sampler node (train.eval.sampler, sample.py's sampler): null entries mean the sampler's default."""
+    s = OmegaConf.select(cfg, prefix)
+    if s.name is not None and s.name not in S.SAMPLER_NAMES:
+        raise UserError(f"unknown sampler {prefix}.name={s.name}; choose one of {', '.join(S.SAMPLER_NAMES)}")
+    check(cfg, f"{prefix}.num_steps", lambda v: v is None or v >= 1, "at least 1", f"e.g. {prefix}.num_steps=40")
+    check(cfg, f"{prefix}.sigma_min", lambda v: v is None or v > 0, "> 0", f"e.g. {prefix}.sigma_min=0.002")
+    if s.sigma_min is not None and s.sigma_max is not None and not s.sigma_min < s.sigma_max:
+        raise refuse(f"{prefix}.sigma_min", s.sigma_min, f"below {prefix}.sigma_max={s.sigma_max}",
+                     f"e.g. {prefix}.sigma_min=0.002 {prefix}.sigma_max=80")
+
+
+def check_paths(cfg):
+    """Files the run reads, checked before the model is built."""
+    d = cfg.dataset
+    if d.kind == "shards":
+        if not d.train_path:
+            raise UserError("dataset.train_path is required for dataset.kind=shards: set "
+                            "dataset.train_path=/path/to/shards (python -m data.extract_latents writes them)")
+        path = Path(d.train_path).expanduser()
+        if not path.exists():
+            raise UserError(f"dataset.train_path={d.train_path} does not exist; give the folder of latent shards")
+        if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+            raise UserError(f"dataset.train_path={d.train_path} is not readable; check its permissions")
+    e = cfg.train.eval
+    if e.eval_interval > 0 and d.kind == "shards" and not e.ref_batch:
+        raise UserError("train.eval.ref_batch=null: in-training FID on latents needs a reference batch; set "
+                        "train.eval.ref_batch=VIRTUAL_imagenet256_labeled.npz (ADM's), or train.eval.eval_interval=0")
+    for key in ("init_from", "train.eval.ref_batch", "train.eval.inception_weights"):
+        value = OmegaConf.select(cfg, key)
+        if value and not Path(value).expanduser().exists():
+            raise UserError(f"{key}={value} does not exist; give an existing path, or {key}=null")
+
+
+def check_cross(cfg, world_size: int):
+    g, e = cfg.train.general, cfg.train.eval
+    per_step = world_size * g.grad_accum_steps
+    if g.batch_size % per_step:
+        raise refuse("train.general.batch_size", g.batch_size,
+                     f"divisible by processes x train.general.grad_accum_steps = {world_size} x "
+                     f"{g.grad_accum_steps} = {per_step}", f"e.g. train.general.batch_size={per_step * max(1, g.batch_size // per_step)}")
+    dims = S.SCORER_FEATURE_DIMS[cfg.dataset.kind]
+    if e.eval_interval > 0 and e.fid_num_samples < dims:
+        raise refuse("train.eval.fid_num_samples", e.fid_num_samples,
+                     f"at least {dims}, the feature dimension of the {cfg.dataset.kind} FID scorer (fewer samples "
+                     f"give a singular covariance)", f"e.g. train.eval.fid_num_samples={max(dims, 2 * dims)}, "
+                     f"or train.eval.eval_interval=0")
+    if e.eval_interval > 0 and g.class_drop_prob == 0 and any(s not in (None, 1) for s in e.cfg_scales):
+        raise refuse("train.eval.cfg_scales", list(e.cfg_scales), "[null] when train.general.class_drop_prob=0 "
+                     "(a model trained without class dropout has no unconditional mode)",
+                     "e.g. train.eval.cfg_scales=[null]")
+    if cfg.model.params.num_classes != cfg.dataset.num_classes:
+        raise refuse("model.params.num_classes", cfg.model.params.num_classes,
+                     f"dataset.num_classes={cfg.dataset.num_classes}", "remove the override")
+
+
+def resolved(cfg) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise UserError(f"configuration: {str(e).splitlines()[0]} (set it on the command line, e.g. key=value)") \
+            from None
+
+
+def check_train_config(cfg, world_size: int = 1):
+    """The whole training config; returns it merged into the schema (types converted, defaults filled)."""
+    data = resolved(cfg)
+    merged = conform(S.ConfigSchema, data)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        key = missing[0]
+        raise UserError(f"{key} is required{_doc(S.ConfigSchema, key)}: set {key}=... on the command line")
+    for key, ok, allowed, fix in RANGES:
+        check(merged, key, ok, allowed, fix)
+    if merged.dataset.kind != "shards":
+        for name in sorted(set(data["dataset"]) & set(S.SHARDS_ONLY)):
+            raise refuse(f"dataset.{name}", data["dataset"][name], f"left out: it applies to dataset.kind=shards "
+                         f"only, this is {merged.dataset.kind}", "remove the override")
+    check_sampler(merged, "train.eval.sampler")
+    check_cross(merged, world_size)
+    check_paths(merged)
+    import dit  # the model code (torch) only now: backbone, model.params and routes, as get_model checks them
+
+    dit.model_kwargs(data["model"]["backbone_type"], data["model"]["params"])
+    return merged
+
+
+def check_sample_config(cfg):
+    """sample.py's options (configs/sample.yaml); its command checks the rest (seeds, paths, checkpoint)."""
+    merged = conform(S.SampleSchema, resolved(cfg))
+    check_sampler(merged, "sampler")
+    return merged
+
+
+def hydra_error_line(e) -> str:
+    """One line for an error Hydra raises while composing (a bad override, an unknown group option)."""
+    cause = e if isinstance(e, (ConfigKeyError, ConfigAttributeError)) else e.__cause__
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
+        return str(unknown_key(S.ConfigSchema, str(cause.full_key)))
+    text = str(e).split("Config search path")[0]
+    return "configuration: " + " ".join(line.strip() for line in text.splitlines() if line.strip())
