@@ -9,7 +9,9 @@ evaluation share.
 
 Reproducibility: every sample owns a generator seeded by its seed (`StackedRandomGenerator`); its initial
 noise, its random class label and its churn noise come from that generator alone. A seed's latents and
-label are therefore the same whatever the batch size or the number of processes. Batches are the
+label are therefore the same whatever the batch size or the number of processes, but not whatever the
+device type: CPU and CUDA generators give different streams for one seed, so a GPU run's images differ from
+a CPU run's. Batches are the
 consecutive slices of `batch_size` seeds and process r runs batches r, r + W, r + 2W, ... so one batch size
 gives the same batches (hence bit-identical samples) for any number of processes.
 """
