@@ -25,14 +25,17 @@ from tread_utils.files import non_negative_int, positive_int
 def add_loader_args(parser):
     parser.add_argument("--loader-path", default=None,
                         help="loader: folder of latent shards (default: temporary random shards written first)")
-    parser.add_argument("--loader-workers", type=non_negative_int, default=4, help="loader: DataLoader workers (default 4)")
+    parser.add_argument("--loader-workers", type=non_negative_int, default=4,
+                        help="loader: DataLoader workers (default 4)")
     parser.add_argument("--loader-batch", type=positive_int, default=256, help="loader: batch size (default 256)")
-    parser.add_argument("--loader-batches", type=positive_int, default=20, help="loader: timed batches after the first")
+    parser.add_argument("--loader-batches", type=positive_int, default=20,
+                        help="loader: timed batches after the first")
     parser.add_argument("--loader-samples", type=positive_int, default=4096,
                         help="loader, no --loader-path: samples in the temporary shards (4 shards)")
     parser.add_argument("--loader-shape", type=positive_int, nargs=3, default=[4, 32, 1000],
                         metavar=("CHANNELS", "SIZE", "CLASSES"),
-                        help="loader: latent channels, latent side and classes of the data (default ImageNet 256: 4 32 1000)")
+                        help="loader: latent channels, latent side and classes of the data "
+                             "(default ImageNet 256: 4 32 1000)")
 
 
 def write_random_shards(out, num_samples, channels, size, classes, num_shards=4, seed=0):
