@@ -53,8 +53,10 @@ def _nets():
 SETTINGS = [("edm", {}), ("edm", {"S_churn": 20.0, "S_min": 0.05, "S_max": 50.0}), ("euler", {}),
             ("ablation", {"discretization": "vp", "schedule": "vp", "scaling": "vp"}),
             ("ablation", {"discretization": "iddpm", "S_churn": 5.0}), ("flow", {"solver": "heun"})]
-# the flow sampler reaches the guidance wrappers through its denoiser view, which "edm" already covers
-CASES = [(name, kw, net) for name, kw in SETTINGS for net in _nets() if name != "flow" or net in ("edm", "flow")]
+# Every sampler with the plain denoiser and CFG inside an interval; routing guidance and the flow precond
+# once each (they hold no decision of their own); the flow sampler reaches the wrappers through its denoiser view.
+CASES = ([(name, kw, net) for name, kw in SETTINGS for net in ("edm", "cfg+interval") if name != "flow"] +
+         [("edm", {}, "routing+cfg"), ("flow", {"solver": "heun"}, "edm"), ("flow", {"solver": "heun"}, "flow")])
 
 
 @pytest.mark.parametrize("sampler, settings, net_name", CASES)
@@ -62,10 +64,26 @@ def test_step_loop_never_reads_the_device(sampler, settings, net_name):
     net = _nets()[net_name]
     labels = torch.tensor([0, 2], device="meta")
     copies = []
-    for num_steps in (3, 7):
+    for num_steps in (2, 5):
         latents = torch.randn(2, 4, 2, 2, device="meta")
         with HostToDevice() as mode:
             out = SAMPLERS[sampler](net, latents, labels, num_steps=num_steps, randn_like=torch.randn_like, **settings)
         assert out.device.type == "meta" and out.shape == latents.shape
         copies.append(mode.copies)
     assert copies[0] == copies[1], f"host-to-device copies grow with the steps: {copies}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sampler, settings, net_name", CASES)
+def test_step_loop_never_synchronises_a_gpu(sampler, settings, net_name):
+    """The same on a real GPU: torch's sync debug mode raises on any host-device synchronisation."""
+    net = _nets()[net_name]
+    latents, labels = torch.randn(2, 4, 2, 2, device="cuda"), torch.tensor([0, 2], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = SAMPLERS[sampler](net, latents, labels, num_steps=4, randn_like=torch.randn_like, **settings)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all()
