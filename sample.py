@@ -100,12 +100,11 @@ def resolve_seeds(num_samples, seeds) -> list:
 def run(cfg) -> None:
     # torch, accelerate and the model code load here, not at the top, so that --help answers at once
     import torch
-    from accelerate import Accelerator
-
     import generation
     from data.decoders import decoder_for
     from evaluations.digits_classifier import class_accuracy
     from training import checkpoint as ckpt
+    from tread_utils.distributed import start_processes
     from tread_utils.files import check_output_path
     from tread_utils.precision import set_precision_policy
 
@@ -126,7 +125,7 @@ def run(cfg) -> None:
     sampler_kwargs = {**generation.DEFAULT_SAMPLER, **given}
     generation.make_sampler(sampler_kwargs)  # unknown sampler, setting or value: refused before loading anything
     path = ckpt.resolve_checkpoint(cfg.ckpt)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = start_processes(cpu=not torch.cuda.is_available())
     set_precision_policy(bool(cfg.tf32))
     state = ckpt.read_checkpoint(path)
     net, run_cfg = ckpt.net_from_state(state, path, accelerator.device)

@@ -19,7 +19,6 @@ interrupted run is resumed by running the same command again. Rank 0 writes mani
 Unreadable images are skipped and listed in the manifest and the summary.
 """
 import argparse
-import datetime
 import hashlib
 import io
 import json
@@ -29,11 +28,11 @@ import tarfile
 import tempfile
 
 import numpy as np
-from accelerate import PartialState
 import torch
 from PIL import Image
 
 from data.vae import DEFAULT_VAE, SD_VAE_SCALE, encode_moments, load_sd_vae, vae_downsample_factor
+from tread_utils.distributed import start_processes
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.files import ArgumentParser, positive_int
 
@@ -441,7 +440,7 @@ def _extract_main(argv):
     p.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
     args = p.parse_args(argv)
     # ranks may finish far apart (a resumed run leaves some ranks little to do): a barrier timeout of a day
-    state = PartialState(cpu=args.cpu, timeout=datetime.timedelta(hours=24))
+    state = start_processes(24 * 60, cpu=args.cpu)
     if not os.path.exists(args.source):
         raise UserError(f"source {args.source} does not exist; pass an ImageNet-style folder or a `path label` list file")
     check_writable(os.path.abspath(args.out))  # cheap checks before the (possibly slow) VAE load

@@ -4,7 +4,8 @@ Formats found under a directory (searched recursively) or given as one file:
   * `*.tar` in the webdataset layout of the official TREAD code: per sample `<key>.latent.npy` (np.save
     bytes) and `<key>.cls` (ascii int). Each tar is indexed once from its headers (member offsets and
     sizes, no data read); the index is cached in memory and in a `<shard>.tar.idx.npz` sidecar when the
-    folder is writable (validated by the shard's size and mtime).
+    folder is writable (validated by the shard's size and mtime). Each process (the trainer, every
+    DataLoader worker) opens a shard once, on its first read of it, and keeps the descriptor.
   * `<stem>.latents.npy` [n, ...] with `<stem>.labels.npy` [n], memory-mapped.
 Per-sample arrays: [C,H,W] a latent; [2C,H,W] posterior moments (mean, logvar) -> mean + std * eps with
 `posterior_sampling`, else the mean; [2,C,H,W] / [2,2C,H,W] the image and its horizontal flip (index 1) ->
@@ -36,24 +37,27 @@ UNSCALED_STD = 2.3         # between ~1 (scaled SD-VAE latents) and ~5.5 (unscal
 REEXTRACT = "re-create it with `python -m data.extract_latents` (complete shards are kept)"
 
 
-def _read_at(path, *ranges):
-    """The bytes of each (offset, size) range of `path`, read with one open (no shared file position)."""
+def open_shard(path):
+    """A read-only descriptor of `path` (module level so tests can count the opens)."""
+    return os.open(path, os.O_RDONLY)
+
+
+def _read_at(fd, path, *ranges):
+    """The bytes of each (offset, size) range of the open file `fd` (pread: no shared file position)."""
     chunks = []
     try:
-        with open(path, "rb") as f:
-            for offset, size in ranges:
-                f.seek(offset)
-                chunks.append(f.read(size))
-                if len(chunks[-1]) != size:
-                    raise UserError(f"{path}: file is truncated (wanted {size} bytes at offset {offset}); {REEXTRACT}")
+        for offset, size in ranges:
+            chunks.append(os.pread(fd, size, offset))
+            if len(chunks[-1]) != size:
+                raise UserError(f"{path}: file is truncated (wanted {size} bytes at offset {offset}); {REEXTRACT}")
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror or e}); check the file and its permissions") from None
     return chunks
 
 
-def _npy_shape(path, offset, size, key):
+def _npy_shape(fd, path, offset, size, key):
     """Shape of an .npy stored at [offset, offset+size) of `path`, from its header only."""
-    f = io.BytesIO(_read_at(path, (offset, min(size, 4096)))[0])
+    f = io.BytesIO(_read_at(fd, path, (offset, min(size, 4096)))[0])
     try:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
@@ -61,7 +65,7 @@ def _npy_shape(path, offset, size, key):
         elif version == (2, 0):
             shape = np.lib.format.read_array_header_2_0(f)[0]
         else:  # rare header versions: read the whole (small) array instead
-            f = io.BytesIO(_read_at(path, (offset, size))[0])
+            f = io.BytesIO(_read_at(fd, path, (offset, size))[0])
             shape = np.lib.format.read_array(f, allow_pickle=False).shape
     except (ValueError, EOFError) as e:
         raise UserError(f"{path}: sample {key} is not a valid .npy ({e}); {REEXTRACT}") from None
@@ -102,9 +106,32 @@ def index_tar(path):
 
 class _TarShard:
     def __init__(self, path, count=None):
-        self.path, self.count, self._rows, self._keys = path, count, None, None
+        self.path, self.count, self._rows, self._keys, self._file = path, count, None, None, None
         if count is None:
             self._index()
+
+    def _fd(self):
+        """This process's descriptor of the shard, opened on first use and kept (reopening per sample costs
+        an open and a close per read). A DataLoader worker forked after the parent opened it must not read
+        through the parent's: it opens its own, and leaves the inherited one alone."""
+        if self._file is None or self._file[0] != os.getpid():
+            try:
+                self._file = (os.getpid(), open_shard(self.path))
+            except OSError as e:
+                raise UserError(f"{self.path}: cannot open ({e.strerror or e}); check the file and its "
+                                f"permissions (or raise `ulimit -n` for many shards)") from None
+        return self._file[1]
+
+    def close(self):
+        if self._file is not None and self._file[0] == os.getpid():
+            os.close(self._file[1])
+        self._file = None
+
+    def __del__(self):
+        self.close()
+
+    def __getstate__(self):  # a descriptor means nothing in another process
+        return dict(self.__dict__, _file=None)
 
     def _stat(self):
         st = os.stat(self.path)
@@ -138,12 +165,14 @@ class _TarShard:
 
     def first_shape(self):
         if self._rows is not None:
-            return _npy_shape(self.path, self._rows[0, 0], self._rows[0, 1], self._keys[0]) if self.count else None
+            if not self.count:
+                return None
+            return _npy_shape(self._fd(), self.path, self._rows[0, 0], self._rows[0, 1], self._keys[0])
         try:  # count known from the manifest: look at the first few headers only
             with tarfile.open(self.path, "r:") as tf:
                 for m in tf:
                     if m.isfile() and m.name.endswith(LATENT_EXT):
-                        return _npy_shape(self.path, m.offset_data, m.size, m.name)
+                        return _npy_shape(self._fd(), self.path, m.offset_data, m.size, m.name)
         except (tarfile.TarError, OSError, EOFError) as e:
             raise UserError(f"{self.path}: unreadable tar shard ({e}); {REEXTRACT}") from None
         return None
@@ -152,7 +181,7 @@ class _TarShard:
         rows, keys = self._index()
         lat_off, lat_size, cls_off, cls_size = (int(v) for v in rows[j])
         key = str(keys[j])
-        lat_bytes, cls_bytes = _read_at(self.path, (lat_off, lat_size), (cls_off, cls_size))
+        lat_bytes, cls_bytes = _read_at(self._fd(), self.path, (lat_off, lat_size), (cls_off, cls_size))
         try:
             arr = np.lib.format.read_array(io.BytesIO(lat_bytes), allow_pickle=False)
             label = int(cls_bytes.decode("ascii").strip())
@@ -316,6 +345,12 @@ class LatentShardDataset(torch.utils.data.Dataset):
 
     def __len__(self):
         return self._ends[-1]
+
+    def close(self):
+        """Close this process's shard descriptors (also done when the dataset is garbage-collected)."""
+        for shard in self.shards:
+            if isinstance(shard, _TarShard):
+                shard.close()
 
     def __getitem__(self, i):
         i = operator.index(i)

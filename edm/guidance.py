@@ -156,30 +156,41 @@ class ClassifierFreeGuidance(_NetWrapper):
         if self.scale == 0.0:
             return self._call_net(x, sigma, uncond, batch, **kwargs)
 
+        if torch.is_tensor(sigma) and sigma.numel() > 1:
+            return self._per_row(x, sigma, class_labels, uncond, **kwargs)
+        # One noise level for the batch: the samplers pass a host float, so the interval test below never
+        # waits for the device (a 0-d tensor from another caller is read once here).
+        level = float(sigma)
+        if self.interval is not None and not self.interval[0] <= level <= self.interval[1]:
+            return self._call_net(x, sigma, class_labels, batch, **kwargs)
+        out = self._call_net(torch.cat([x, x]), sigma, torch.cat([class_labels, uncond]), batch, **kwargs)
+        return self._combine(out[:batch], out[batch:])
+
+    def _combine(self, d_cond, d_uncond):
+        return d_uncond + self.scale * (d_cond - d_uncond)
+
+    def _per_row(self, x, sigma, class_labels, uncond, **kwargs):
+        """A [B] sigma: only the rows inside the interval get their unconditional copy (reads the device)."""
+        batch = x.shape[0]
         guided = self.in_interval(sigma, batch, x.device)
         n_guided = int(guided.sum())
         if n_guided == 0:
             return self._call_net(x, sigma, class_labels, batch, **kwargs)
-
-        sigma_t = torch.as_tensor(sigma, device=x.device)
+        sigma_rows = torch.as_tensor(sigma, device=x.device).reshape(-1)
         if n_guided == batch:
-            x_in = torch.cat([x, x])
-            y_in = torch.cat([class_labels, uncond])
-            sigma_in = sigma_t if sigma_t.numel() == 1 else torch.cat([sigma_t.reshape(-1)] * 2)
-            out = self._call_net(x_in, sigma_in, y_in, batch, **kwargs)
-            d_cond, d_uncond = out[:batch], out[batch:]
-            return d_uncond + self.scale * (d_cond - d_uncond)
+            out = self._call_net(torch.cat([x, x]), torch.cat([sigma_rows] * 2), torch.cat([class_labels, uncond]),
+                                 batch, **kwargs)
+            return self._combine(out[:batch], out[batch:])
 
-        # Per-row sigma straddling the interval: unconditional copies only for the guided rows.
+        # Rows straddling the interval: unconditional copies only for the guided rows.
         idx = guided.nonzero().flatten()
         x_in = torch.cat([x, x[idx]])
         y_in = torch.cat([class_labels, uncond[idx]])
-        sigma_rows = sigma_t.reshape(-1)
         sigma_in = torch.cat([sigma_rows, sigma_rows[idx]])
         out = self._call_net(x_in, sigma_in, y_in, batch, **kwargs)
         d_cond, d_uncond = out[:batch], out[batch:]
         result = d_cond.clone()
-        result[idx] = d_uncond + self.scale * (d_cond[idx] - d_uncond)
+        result[idx] = self._combine(d_cond[idx], d_uncond)
         return result
 
 

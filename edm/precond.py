@@ -1,13 +1,25 @@
 """EDM preconditioning (Karras et al. 2022, Table 1): D(x; sigma) = c_skip x + c_out F(c_in x; c_noise)."""
+import numbers
+
 import torch
 import torch.nn as nn
+
+
+def sigma_column(sigma, x: torch.Tensor) -> torch.Tensor:
+    """sigma (a number, a 0-d or a [B] tensor) as float32 [B, 1, 1, 1] on x's device. A number (what the
+    samplers pass) is filled in on the device: torch.as_tensor(number, device="cuda") would copy it from the
+    host and make the host wait for the GPU, once per network call."""
+    if isinstance(sigma, numbers.Real) and not torch.is_tensor(sigma):
+        return torch.full((x.shape[0], 1, 1, 1), float(sigma), dtype=torch.float32, device=x.device)
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1, 1, 1, 1)
+    return sigma.expand(x.shape[0], 1, 1, 1)
 
 
 class EDMPrecond(nn.Module):
     """Wraps a backbone F(x, t, y, **kw) -> [B, C, H, W] into the denoiser D(x; sigma, y).
 
     Follows EDM's sampler convention: `sigma_min`, `sigma_max` and `round_sigma` are attributes, and
-    `forward(x, sigma, class_labels)` accepts sigma as a scalar, a 0-d tensor or a [B] tensor.
+    `forward(x, sigma, class_labels)` accepts sigma as a number, a 0-d tensor or a [B] tensor.
     Extra keyword arguments (e.g. `force_routing_ratio`) pass through to the backbone.
     """
 
@@ -25,8 +37,7 @@ class EDMPrecond(nn.Module):
 
     def forward(self, x, sigma, class_labels=None, **model_kwargs):
         x = x.to(torch.float32)
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1, 1, 1, 1)
-        sigma = sigma.expand(x.shape[0], 1, 1, 1)
+        sigma = sigma_column(sigma, x)
         sd = self.sigma_data
         c_skip = sd ** 2 / (sigma ** 2 + sd ** 2)
         c_out = sigma * sd / (sigma ** 2 + sd ** 2).sqrt()

@@ -9,9 +9,15 @@ guidance wrappers of `edm.guidance` and small analytic denoisers all fit.
 
 * Arithmetic between network calls is float64. Before each call the state is cast to float32 (what the
   network runs in; `EDMPrecond` would cast it anyway) and the denoised output is cast back to float64.
-* ``sigma`` is passed as a 0-d float64 tensor (the same noise level for the whole batch).
+* ``sigma`` is passed as a Python float (the same noise level for the whole batch). A net that needs it on
+  the device should fill it in there (`edm.precond.sigma_column`), not copy it from the host.
 * Extra keyword arguments of the sampler (``**net_kwargs``) are forwarded unchanged to every call.
 * The samplers return float64 latents; the caller casts.
+
+No host-device synchronisation in the step loop: the noise levels, the churn decisions and every
+coefficient are Python floats computed before the loop, so on a GPU the host queues step after step
+without waiting (``float(t)`` of a CUDA tensor would wait once per step). `tests/test_sampler_syncs.py`
+runs the samplers on the meta device, where any such read raises.
 
 Network evaluations (NFE) per sample, N = num_steps:
   ``edm_sampler`` (Heun)        2N - 1 (no correction on the last step, which lands on sigma = 0)
@@ -21,8 +27,10 @@ A guidance wrapper multiplies these by its own cost per call (see `edm.guidance`
 
 Randomness: the latents and the churn noise should come from a `StackedRandomGenerator` (one generator per
 seed) so that every sample depends only on its own seed, not on batch composition or the number of GPUs.
-Like EDM, the samplers draw ``randn_like`` once per step even when the churn factor of that step is 0,
-so the random stream (and hence the samples) match EDM's for the same generators.
+With churn on (S_churn > 0) the samplers draw ``randn_like`` once per step, like EDM, even on steps whose
+churn factor is 0, so the random stream (and hence the samples) match EDM's for the same generators.
+Without churn they draw nothing: the noise would be multiplied by 0, and B per-seed draws per step cost B
+small kernel launches each.
 """
 import functools
 import inspect
@@ -47,8 +55,8 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------
 # Shared helpers
 
-def _denoise(net, x: torch.Tensor, sigma: torch.Tensor, class_labels, net_kwargs: dict) -> torch.Tensor:
-    """One network evaluation: float32 in, float64 out, sigma as a 0-d tensor."""
+def _denoise(net, x: torch.Tensor, sigma: float, class_labels, net_kwargs: dict) -> torch.Tensor:
+    """One network evaluation: float32 in, float64 out, sigma as a Python float."""
     out = net(x.to(torch.float32), sigma, class_labels, **net_kwargs)
     return out.to(torch.float64)
 
@@ -90,10 +98,15 @@ def edm_time_steps(net, num_steps: int = 18, sigma_min: float = 0.002, sigma_max
 # ----------------------------------------------------------------------------------------------------
 # Algorithm 2 and its first-order variant
 
+def _host_sigma(net, value: float) -> float:
+    """net.round_sigma(value) as a Python float, computed on the host."""
+    return float(net.round_sigma(torch.tensor(value, dtype=torch.float64)))
+
+
 def _edm_loop(net, latents, class_labels, *, num_steps, sigma_min, sigma_max, rho, S_churn, S_min, S_max,
               S_noise, randn_like, second_order: bool, net_kwargs: dict) -> torch.Tensor:
     num_steps = _check_num_steps(num_steps)
-    t = edm_time_steps(net, num_steps, sigma_min, sigma_max, rho, device=latents.device)
+    t = edm_time_steps(net, num_steps, sigma_min, sigma_max, rho).tolist()  # host floats: no device reads
     churn = min(S_churn / num_steps, math.sqrt(2.0) - 1.0)
 
     x = latents.to(torch.float64) * t[0]
@@ -101,10 +114,12 @@ def _edm_loop(net, latents, class_labels, *, num_steps, sigma_min, sigma_max, rh
         t_cur, t_next = t[i], t[i + 1]
 
         # Churn: raise the noise level from t_cur to t_hat by adding fresh noise.
-        gamma = churn if S_min <= float(t_cur) <= S_max else 0.0
-        t_hat = _as_f64(net.round_sigma(t_cur + gamma * t_cur), x.device)
-        extra_std = (t_hat ** 2 - t_cur ** 2).clamp(min=0).sqrt()
-        x_hat = x + extra_std * S_noise * randn_like(x)
+        gamma = churn if S_min <= t_cur <= S_max else 0.0
+        t_hat = _host_sigma(net, t_cur + gamma * t_cur)
+        x_hat = x
+        if churn > 0:
+            extra_std = math.sqrt(max(t_hat ** 2 - t_cur ** 2, 0.0))
+            x_hat = x + extra_std * S_noise * randn_like(x)
 
         # Euler step from t_hat to t_next.
         d_cur = (x_hat - _denoise(net, x_hat, t_hat, class_labels, net_kwargs)) / t_hat
@@ -230,8 +245,8 @@ def ablation_sampler(net, latents: torch.Tensor, class_labels=None, *, num_steps
       iddpm: 0.002 .. 81 (cosine schedule with C_1, C_2, M)
       edm:   0.002 .. 80 (with rho)
     With discretization='edm', solver='heun', schedule='linear', scaling='none' this is `edm_sampler`.
-    NFE = 2N - 1 (heun) or N (euler). Noise levels and state are float64; the net sees float32 x and a
-    0-d float64 sigma, and `net_kwargs` on every call.
+    NFE = 2N - 1 (heun) or N (euler). Noise levels are host floats and the state is float64; the net sees
+    float32 x, sigma as a Python float, and `net_kwargs` on every call.
     """
     if solver not in ("euler", "heun"):
         raise ValueError(f"solver must be 'euler' or 'heun', got {solver!r}")
@@ -242,7 +257,6 @@ def ablation_sampler(net, latents: torch.Tensor, class_labels=None, *, num_steps
     if scaling not in ("vp", "none"):
         raise ValueError(f"scaling must be 'vp' or 'none', got {scaling!r}")
     num_steps = _check_num_steps(num_steps)
-    device = latents.device
 
     # Noise range: per-discretization defaults, then clamped to what the network supports.
     ref_vp = _VPSchedule(VP_BETA_D, VP_BETA_MIN)
@@ -260,14 +274,14 @@ def ablation_sampler(net, latents: torch.Tensor, class_labels=None, *, num_steps
     vp_beta_min = log_hi - 0.5 * vp_beta_d
     vp = _VPSchedule(vp_beta_d, vp_beta_min)
 
-    # Noise levels of the N steps.
-    frac = _step_fractions(num_steps, device)
+    # Noise levels of the N steps, on the host (see "No host-device synchronisation" above).
+    frac = _step_fractions(num_steps, None)
     if discretization == "vp":
         sigma_steps = vp.sigma(1.0 + frac * (epsilon_s - 1.0))
     elif discretization == "ve":
         sigma_steps = _VESchedule.sigma(sigma_max ** 2 * (sigma_min ** 2 / sigma_max ** 2) ** frac)
     elif discretization == "iddpm":
-        u = torch.tensor(_iddpm_sigmas(int(M), C_1, C_2), dtype=torch.float64, device=device)
+        u = torch.tensor(_iddpm_sigmas(int(M), C_1, C_2), dtype=torch.float64)
         kept = u[(u >= sigma_min) & (u <= sigma_max)]
         if kept.numel() == 0:
             raise ValueError(f"no iDDPM noise level lies in [{sigma_min}, {sigma_max}]")
@@ -276,23 +290,31 @@ def ablation_sampler(net, latents: torch.Tensor, class_labels=None, *, num_steps
     else:
         a, b = sigma_max ** (1.0 / rho), sigma_min ** (1.0 / rho)
         sigma_steps = (a + frac * (b - a)) ** rho
-    sigma_steps = sigma_steps.to(device)
 
-    # Noise schedule sigma(t) and scaling s(t).
+    # Noise schedule sigma(t) and scaling s(t), as functions of a host float returning a host float.
     sched = {"vp": vp, "ve": _VESchedule, "linear": _LinearSchedule}[schedule]
-    sig, sig_d, sig_inv = sched.sigma, sched.deriv, sched.inv
+
+    def sig(t):
+        return float(sched.sigma(t))
+
+    def sig_d(t):
+        return float(sched.deriv(t))
+
+    def sig_inv_rounded(sigma):
+        return float(sched.inv(net.round_sigma(torch.tensor(sigma, dtype=torch.float64))))
+
     if scaling == "vp":
         def s(t):
-            return 1.0 / (1.0 + sig(t) ** 2).sqrt()
+            return 1.0 / math.sqrt(1.0 + sig(t) ** 2)
 
         def s_d(t):
             return -sig(t) * sig_d(t) * s(t) ** 3
     else:
         def s(t):
-            return torch.ones((), dtype=torch.float64, device=device)
+            return 1.0
 
         def s_d(t):
-            return torch.zeros((), dtype=torch.float64, device=device)
+            return 0.0
 
     def derivative(x, t):
         """dx/dt of the probability-flow ODE at (x, t) in the (sigma, s) parameterisation."""
@@ -300,8 +322,7 @@ def ablation_sampler(net, latents: torch.Tensor, class_labels=None, *, num_steps
         denoised = _denoise(net, x / st, sg, class_labels, net_kwargs)
         return (sd / sg + s_d(t) / st) * x - sd * st / sg * denoised
 
-    t_steps = _as_f64(sig_inv(_as_f64(net.round_sigma(sigma_steps), device)), device)
-    t_steps = torch.cat([t_steps, torch.zeros(1, dtype=torch.float64, device=device)])
+    t_steps = _as_f64(sched.inv(_as_f64(net.round_sigma(sigma_steps), None)), None).tolist() + [0.0]
 
     churn = min(S_churn / num_steps, math.sqrt(2.0) - 1.0)
     x = latents.to(torch.float64) * (sig(t_steps[0]) * s(t_steps[0]))
@@ -309,10 +330,12 @@ def ablation_sampler(net, latents: torch.Tensor, class_labels=None, *, num_steps
         t_cur, t_next = t_steps[i], t_steps[i + 1]
         sig_cur = sig(t_cur)
 
-        gamma = churn if S_min <= float(sig_cur) <= S_max else 0.0
-        t_hat = _as_f64(sig_inv(_as_f64(net.round_sigma(sig_cur + gamma * sig_cur), device)), device)
-        extra_std = (sig(t_hat) ** 2 - sig_cur ** 2).clamp(min=0).sqrt()
-        x_hat = s(t_hat) / s(t_cur) * x + extra_std * s(t_hat) * S_noise * randn_like(x)
+        gamma = churn if S_min <= sig_cur <= S_max else 0.0
+        t_hat = sig_inv_rounded(sig_cur + gamma * sig_cur)
+        x_hat = s(t_hat) / s(t_cur) * x
+        if churn > 0:  # one draw per step, as in `_edm_loop`
+            extra_std = math.sqrt(max(sig(t_hat) ** 2 - sig_cur ** 2, 0.0))
+            x_hat = x_hat + extra_std * s(t_hat) * S_noise * randn_like(x)
 
         h = t_next - t_hat
         d_cur = derivative(x_hat, t_hat)
@@ -336,6 +359,9 @@ class StackedRandomGenerator:
 
     A sample's latents and churn noise therefore depend only on its seed, not on which other seeds share
     its batch or how seeds are spread over GPUs. Drop-in for ``torch.randn_like`` (``randn_like=gen.randn_like``).
+    They do depend on the device type: a CPU and a CUDA generator with the same seed give different streams,
+    so a seed's image on a GPU differs from its image on the CPU (both are reproducible). Each draw costs one
+    small kernel per seed; the samplers draw per step only when churn is on.
     """
 
     def __init__(self, device, seeds: Sequence[int]):

@@ -190,6 +190,15 @@ def compute_features(extractor, images, batch_size: int = 64, limit: int | None 
     features are not kept: ``{key + '_stats': (mu, sigma)}`` instead (sFID's 50,000 x 2023 features
     would otherwise take 400 MB of host memory for two statistics).
     """
+    out, running = feature_pass(extractor, images, batch_size, limit, progress, desc, keys, stats_keys)
+    out.update({key + "_stats": r.result() for key, r in running.items() if r.n})
+    return out
+
+
+def feature_pass(extractor, images, batch_size: int = 64, limit: int | None = None, progress: bool = False,
+                 desc: str = "features", keys=FEATURE_KEYS, stats_keys=()) -> tuple:
+    """`compute_features` before its statistics are finished: ({key: float32 [N, D]}, {stats key:
+    RunningStatistics}), so that the statistics of several processes' shares can be merged."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = extractor_device(extractor)
@@ -221,5 +230,4 @@ def compute_features(extractor, images, batch_size: int = 64, limit: int | None 
         bar.close()
     if done != total:  # pragma: no cover - the readers above always deliver `total` rows
         raise RuntimeError(f"expected {total} images, got {done}")
-    out.update({key + "_stats": r.result() for key, r in running.items() if r.n})
-    return out
+    return out, running

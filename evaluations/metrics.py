@@ -84,6 +84,21 @@ class RunningStatistics:
         self.total += centred.sum(axis=0)
         self.outer += centred.T @ centred
 
+    def merge(self, other: "RunningStatistics") -> "RunningStatistics":
+        """Add the vectors `other` has seen (e.g. another process's share): its sums are re-centred on
+        this shift, x - s = (x - s_other) + d with d = s_other - s."""
+        if other.n == 0:
+            return self
+        if self.n == 0:
+            self.n, self.shift = other.n, other.shift.copy()
+            self.total, self.outer = other.total.copy(), other.outer.copy()
+            return self
+        d = other.shift - self.shift
+        self.outer += other.outer + np.outer(other.total, d) + np.outer(d, other.total) + other.n * np.outer(d, d)
+        self.total += other.total + other.n * d
+        self.n += other.n
+        return self
+
     def result(self):
         """(mu [D], sigma [D, D]), sigma unbiased (N - 1) like np.cov."""
         if self.n < 2:

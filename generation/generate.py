@@ -9,7 +9,9 @@ evaluation share.
 
 Reproducibility: every sample owns a generator seeded by its seed (`StackedRandomGenerator`); its initial
 noise, its random class label and its churn noise come from that generator alone. A seed's latents and
-label are therefore the same whatever the batch size or the number of processes. Batches are the
+label are therefore the same whatever the batch size or the number of processes, but not whatever the
+device type: CPU and CUDA generators give different streams for one seed, so a GPU run's images differ from
+a CPU run's. Batches are the
 consecutive slices of `batch_size` seeds and process r runs batches r, r + W, r + 2W, ... so one batch size
 gives the same batches (hence bit-identical samples) for any number of processes.
 """
@@ -19,13 +21,13 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from edm.guidance import ClassifierFreeGuidance, RoutingGuidance
 from edm.sampler import SAMPLERS as EDM_SAMPLERS
 from edm.sampler import StackedRandomGenerator, bind_sampler
 from rectified_flow import flow_sampler
+from tread_utils.distributed import gather_to_main
 from tread_utils.errors import UserError
 
 DEFAULT_SAMPLER = {"name": "edm", "num_steps": 40}  # the paper's in-training evaluation: Heun, 40 steps
@@ -159,20 +161,16 @@ def _seed_routing(net, seed: int):
         net = getattr(net, "net", None)
 
 
-def _gather_to_main(obj, world: int, rank: int):
-    if world == 1:
-        return [obj]
-    out = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
 @torch.no_grad()
 def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = None, decoder, batch_size: int = 64,
              num_classes: Optional[int] = None, device=None, accelerator=None, class_labels=None,
-             progress: bool = True, latent_shape=None):
+             progress: bool = True, latent_shape=None, gather: bool = True):
     """Sample one image per seed; return (images uint8 numpy [N, H, W, 3], labels int64 numpy [N]) in the
     order of `seeds` on the main process, and (None, None) on the others.
+
+    gather=False: nothing is sent to the main process; every rank returns its own share (images [n, H, W, 3],
+    labels [n], indices [n] int64 = the rows' positions in `seeds`), e.g. for
+    `evaluations.distributed_features.compute_features_distributed` (a rank with no batch: n = 0).
 
     net:            a sampler net (`EDMPrecond`, possibly wrapped by `build_guided_net`); run in eval mode
                     (a module in training mode is switched to eval for the call and back afterwards).
@@ -213,6 +211,7 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
     starts = list(range(0, len(seeds), batch_size))
     rounds = math.ceil(len(starts) / world)
     all_images, all_labels = None, np.zeros(len(seeds), dtype=np.int64)
+    own = []  # gather=False: this rank's (first row, images, labels)
     bar = tqdm(total=len(seeds), disable=not progress or rank != 0, desc="sample", unit="img", dynamic_ncols=True)
     with _eval_mode(net):
         for r in range(rounds):
@@ -233,7 +232,12 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
                 images = decoder.decode(x.to(torch.float32))
                 images = images.numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
                 item = (b, images.astype(np.uint8, copy=False), labels.cpu().numpy().astype(np.int64))
-            for got in _gather_to_main(item, world, rank) or []:
+            if not gather:
+                if item is not None:
+                    own.append((starts[b], item[1], item[2]))
+                    bar.update(len(item[2]))
+                continue
+            for got in gather_to_main(item, world, rank) or []:
                 if got is None:
                     continue
                 lo, images, labels = starts[got[0]], got[1], got[2]
@@ -243,4 +247,9 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
                 all_labels[lo:lo + len(labels)] = labels
                 bar.update(len(labels))
     bar.close()
+    if not gather:
+        if not own:
+            return np.zeros((0, 0, 0, 3), dtype=np.uint8), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        indices = np.concatenate([np.arange(lo, lo + len(labels)) for lo, _, labels in own])
+        return np.concatenate([o[1] for o in own]), np.concatenate([o[2] for o in own]), indices
     return (all_images, all_labels) if rank == 0 else (None, None)

@@ -2,6 +2,8 @@
 import torch
 import torch.nn as nn
 
+from edm.precond import sigma_column
+
 
 class FlowPrecond(nn.Module):
     def __init__(self, model: nn.Module, sigma_min: float = 0.0, sigma_max: float = float("inf")):
@@ -16,7 +18,7 @@ class FlowPrecond(nn.Module):
     def velocity(self, x_t, t, class_labels=None, **model_kwargs):
         """v(x_t, t): t in [0, 1] as a scalar, 0-d or [B] tensor."""
         x_t = x_t.to(torch.float32)
-        t = torch.as_tensor(t, dtype=torch.float32, device=x_t.device).reshape(-1).expand(x_t.shape[0])
+        t = sigma_column(t, x_t).reshape(-1)
         return self.model(x_t, t, class_labels, **model_kwargs).to(torch.float32)
 
     def forward(self, x, sigma=None, class_labels=None, t=None, **model_kwargs):
@@ -25,8 +27,7 @@ class FlowPrecond(nn.Module):
         if t is not None:
             return self.velocity(x, t, class_labels, **model_kwargs)
         x = x.to(torch.float32)
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1, 1, 1, 1)
-        sigma = sigma.expand(x.shape[0], 1, 1, 1)
+        sigma = sigma_column(sigma, x)
         t = sigma / (1 + sigma)
         x_t = x / (1 + sigma)
         return x_t - t * self.velocity(x_t, t.flatten(), class_labels, **model_kwargs)

@@ -20,9 +20,10 @@ def velocity_function(net):
         return net.velocity, 1.0
 
     def velocity(x_t, t, class_labels=None, **kw):
-        t = torch.as_tensor(t, dtype=torch.float64, device=x_t.device)
+        if torch.is_tensor(t):  # per-row times; the sampler passes a host float (no copy to the device)
+            t = t.to(dtype=torch.float64, device=x_t.device)
         x_t = x_t.to(torch.float64)
-        denoised = net((x_t / (1 - t)).to(torch.float32), (t / (1 - t)).to(torch.float32), class_labels, **kw)
+        denoised = net((x_t / (1 - t)).to(torch.float32), t / (1 - t), class_labels, **kw)
         return (x_t - denoised.to(torch.float64)) / t
 
     return velocity, DENOISER_T_MAX
@@ -39,7 +40,8 @@ def flow_sampler(net, latents, class_labels=None, *, num_steps=40, solver="heun"
     if solver not in ("euler", "heun"):
         raise ValueError(f"solver must be 'euler' or 'heun', got {solver!r}")
     velocity, usable_t_max = velocity_function(net)
-    steps = flow_time_steps(num_steps, min(t_max, usable_t_max), t_min, shift, device=latents.device)
+    # Host floats: the `t_next > 0` test and the step sizes never wait for the device.
+    steps = flow_time_steps(num_steps, min(t_max, usable_t_max), t_min, shift).tolist()
     x = latents.to(torch.float64)
     for t_cur, t_next in zip(steps[:-1], steps[1:]):
         v = velocity(x.to(torch.float32), t_cur, class_labels, **net_kwargs).to(torch.float64)

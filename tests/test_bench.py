@@ -134,3 +134,18 @@ def test_position_embedding_has_dits_layout():
     assert torch.equal(first[0], first[3]) and not torch.equal(first[:, 0], first[:, 1])  # first half: column
     assert torch.equal(second[:, 0], second[:, 3]) and not torch.equal(second[0], second[1])  # second: row
     np.testing.assert_allclose(emb[0, 1, :2].numpy(), [np.sin(1.0), np.sin(0.01)], rtol=1e-6)
+
+
+def test_bench_loader_section_writes_samples_per_second(tmp_path, monkeypatch):
+    """`--sections loader` without --loader-path writes its own tiny shards and times the trainer's loader."""
+    from tools import bench
+
+    out = tmp_path / "loader.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--sections", "loader", "--loader-samples", "48", "--loader-batch", "4",
+                                      "--loader-batches", "3", "--loader-workers", "2", "--loader-shape", "2", "4", "5",
+                                      "--out", str(out)])
+    bench.main()
+    row, = json.loads(out.read_text())["loader"]
+    assert row["workers"] == 2 and row["batch"] == 4 and row["samples"] == 12 and row["dataset_size"] == 48
+    assert row["samples_per_s"] > 0 and row["first_batch_s"] > 0
+    assert "samples/s" in out.with_suffix(".md").read_text()

@@ -98,7 +98,7 @@ def test_shipped_configs_pass(overrides):
     (["train.optimizer.grad_clip=-1"], "grad_clip"),
     (["train.eval.batch_size=0"], "train.eval.batch_size=0"),
     (["train.cpu_threads=0"], "train.cpu_threads"),
-    (["+train.dist_timeout_minutes=0"], "dist_timeout_minutes"),
+    (["train.dist_timeout_minutes=0"], "dist_timeout_minutes"),
     (["lock_stale_minutes=0"], "lock_stale_minutes"),
     (["model.params.cond_mode=film"], "cond_mode"),
     (["model.params.routes.0.selection=best"], "selection"),

@@ -249,3 +249,37 @@ def test_the_manifest_decides_the_scale(tmp_path, scaled, expected):
     ds = LatentShardDataset(tmp_path, C, S, K)
     assert ds.scale_factor == pytest.approx(expected) and "manifest.json" in ds.scale_note
     assert ds.shards[0]._rows is None  # decided without reading a sample
+
+
+def test_a_shard_is_opened_once_per_process_not_per_sample(tmp_path, monkeypatch):
+    """The trainer and every DataLoader worker open a shard once and keep it; a worker forked after the
+    parent opened it opens its own; deleting the dataset closes the descriptor."""
+    import collections
+    import gc
+
+    from data import shards
+
+    write_tar(tmp_path / "d" / "a.tar", simple(40, (C, S, S)))
+    log, real_open = tmp_path / "opens.txt", shards.open_shard
+
+    def counting_open(path):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_open(path)
+
+    monkeypatch.setattr(shards, "open_shard", counting_open)
+    ds = LatentShardDataset(tmp_path / "d", C, S, K)
+    for i in range(3 * len(ds)):  # three epochs in this process
+        ds[i]
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    assert sum(len(y) for _, y in loader) == len(ds)
+    opens = collections.Counter(log.read_text().split())
+    assert opens.pop(str(os.getpid())) == 1
+    assert len(opens) == 2 and set(opens.values()) == {1}, opens  # one per worker
+
+    fd = ds.shards[0]._file[1]
+    os.fstat(fd)
+    del ds, loader
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)

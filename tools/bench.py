@@ -8,7 +8,8 @@
 Sections (`--sections`): training (below); sampling (EDM Heun images/s and network evaluations per
 image, unguided / CFG / CFG inside a guidance interval); evaluator (Inception images/s); suite (the
 ADM evaluator end to end on 50K samples, with its peak host memory), metrics (its metric stage alone
-on random features) and fid (in-training FID on 5K samples, stage by stage), all in tools/bench_evaluation.py.
+on random features) and fid (in-training FID on 5K samples, stage by stage), all in tools/bench_evaluation.py;
+loader (the training data loader alone, samples/s) in tools/bench_loader.py.
 
 For every backbone x batch size x {dit, tread} it times full training steps (EDM loss forward,
 backward, AdamW step), and reports images/s, peak memory, the training-step FLOPs
@@ -37,6 +38,7 @@ from edm import EDMLoss, EDMPrecond, edm_sampler
 from edm.guidance import ClassifierFreeGuidance, NFECounter
 from tools.bench_evaluation import (IMAGENET_LATENT, bench_evaluator, bench_metrics, bench_suite, bench_training_fid,
                                     peak_rss_mb, sync)
+from tools.bench_loader import add_loader_args, bench_loader
 from tools.paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
 from training.flops import training_step_flops
 from training.optimizer import build_adamw
@@ -315,6 +317,12 @@ def training_fid_table(rows):
                 *(f"{r[k]:.1f}" for k in ("seconds", "sampling_s", "decoding_s", "features_s", "fid_s")))))
 
 
+def loader_table(rows):
+    return "Data loader alone:\n\n" + simple_table(("data", "workers", "batch", "samples/s", "first batch (s)"), rows,
+                                                     lambda r: (r["path"], str(r["workers"]), str(r["batch"]),
+                                                                f"{r['samples_per_s']:.0f}", f"{r['first_batch_s']:.2f}"))
+
+
 def parse_args():
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backbones", nargs="+", default=["DiT-S/2", "DiT-B/2"])
@@ -333,7 +341,7 @@ def parse_args():
     parser.add_argument("--out", type=Path, default=None,
                         help="write results as JSON here (and a .md beside it), rewritten after every section")
     parser.add_argument("--sections", nargs="+", default=["training", "sampling", "evaluator"],
-                        choices=["training", "sampling", "evaluator", "suite", "metrics", "fid"])
+                        choices=["training", "sampling", "evaluator", "suite", "metrics", "fid", "loader"])
     parser.add_argument("--sample-batch", type=positive_int, default=8)
     parser.add_argument("--sample-steps", type=int, default=40, help="EDM Heun steps (NFE 2N-1 unguided)")
     parser.add_argument("--eval-batch", type=positive_int, default=64)
@@ -347,6 +355,7 @@ def parse_args():
     parser.add_argument("--fid-batch", type=positive_int, default=256, help="fid: sampling / decoding / Inception batch")
     parser.add_argument("--vae", default="random",
                         help="fid: 'random' (the SD-VAE architecture, random weights) or a diffusers repo id / folder")
+    add_loader_args(parser)
     args = parser.parse_args()
     unknown = [b for b in args.backbones if b not in DiT_models]
     if unknown:
@@ -379,6 +388,7 @@ def main():
         "suite": (lambda: bench_suite(args, device), suite_table),
         "metrics": (lambda: bench_metrics(args, device), metrics_table),
         "fid": (lambda: bench_training_fid(args, device, dtype), training_fid_table),
+        "loader": (lambda: bench_loader(args), loader_table),
     }
     tables = []
     for name in args.sections:

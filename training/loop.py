@@ -30,6 +30,7 @@ from training.optimizer import build_adamw
 from training.progress import Progress, format_duration
 from training.run_dir import drop_redone_records, prepare_run_dir
 from training.run_log import MetricsLogger, format_metrics
+from tread_utils.distributed import set_cpu_threads, start_processes
 from tread_utils.errors import UserError
 from tread_utils.precision import set_precision_policy
 
@@ -39,11 +40,6 @@ def update_ema(ema_params, model_params, decay: float):
     torch._foreach_lerp_(ema_params, model_params, 1.0 - decay)
 
 
-def set_cpu_threads(setting, local_processes: int):
-    """`accelerate launch` sets OMP_NUM_THREADS=1 unless told otherwise; on a CPU run, `auto` gives each
-    local process its share of the cores instead."""
-    threads = max(1, (os.cpu_count() or 1) // max(1, local_processes)) if setting == "auto" else int(setting)
-    torch.set_num_threads(threads)
 
 
 def init_weights(cfg, model, ema, optimizer, is_main):
@@ -102,12 +98,12 @@ class Run:
 def setup(cfg: DictConfig) -> Run:
     # Processes. Without a GPU, processes started by torchrun (`accelerate launch --multi_gpu`) train on the
     # CPU with gloo.
-    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = start_processes(cfg.train.dist_timeout_minutes, mixed_precision=cfg.train.mixed_precision,
+                                  cpu=not torch.cuda.is_available())
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
     set_precision_policy(cfg.train.tf32)
-    if device.type == "cpu":
-        set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # on GPU runs too
 
     # Find the checkpoint to resume from.
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)

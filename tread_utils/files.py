@@ -50,15 +50,24 @@ def check_output_path(path, suffix: str, what: str) -> Path:
     return p
 
 
-def positive_int(value) -> int:
-    """argparse type: an integer >= 1."""
+def _int_at_least(value, minimum: int, what: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}") from None
+    if number < minimum:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
     return number
+
+
+def positive_int(value) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(value, 1, "a positive integer")
+
+
+def non_negative_int(value) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(value, 0, "an integer >= 0")
 
 
 class ArgumentParser(argparse.ArgumentParser):
