@@ -24,33 +24,33 @@ from data.decoders import decoder_for
 from data.digits import load_digits_split
 from evaluations.digits_classifier import class_accuracy, digits_reference_statistics, load_digits_classifier
 from evaluations.evaluator import metrics_from_features, reference_from_npz
-from evaluations.features import compute_features
+from evaluations.distributed_features import compute_features_distributed
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from generation import build_guided_net, generate, save_image_grid
 from training.checkpoint import rng_untouched
 from training.run_log import format_metrics
+from tread_utils.distributed import gather_rows
 from tread_utils.errors import UserError
 
 
-def digits_scorer(cfg, device):
-    """The shipped digits classifier, against the held-out digits."""
-    extractor = load_digits_classifier(device=device)
-    return extractor, digits_reference_statistics(extractor)
-
-
-def inception_scorer(cfg, device):
-    """The Inception port, against the ADM reference batch `train.eval.ref_batch`."""
+def inception_reference(cfg, extractor):
+    """The ADM reference batch `train.eval.ref_batch`, through the Inception port."""
     e = cfg.train.eval
     if not e.ref_batch:
         raise UserError("in-training FID on latents needs a reference batch: set train.eval.ref_batch="
                         "VIRTUAL_imagenet256_labeled.npz (ADM's), or train.eval.eval_interval=0 to turn it off")
-    extractor = load_inception(weights=e.inception_weights, device=device)
-    return extractor, reference_from_npz(e.ref_batch, extractor, progress=False)
+    return reference_from_npz(e.ref_batch, extractor, progress=False)
 
 
-# dataset.kind -> (feature network, reference statistics)
-SCORERS = {"digits": digits_scorer, "shards": inception_scorer}
+# dataset.kind -> (feature network on every process's device, reference statistics on the main process):
+# the shipped digits classifier against the held-out digits; the Inception port against ADM's batch.
+SCORERS = {
+    "digits": (lambda cfg, device: load_digits_classifier(device=device),
+               lambda cfg, extractor: digits_reference_statistics(extractor)),
+    "shards": (lambda cfg, device: load_inception(weights=cfg.train.eval.inception_weights, device=device),
+               inception_reference),
+}
 
 
 class TrainingEvaluator:
@@ -78,9 +78,11 @@ class TrainingEvaluator:
         self.last_grid = None  # the newest grid's path, for the run's closing summary
         device = accelerator.device
         self.decoder = decoder_for(cfg.dataset, device=device)
-        self.extractor, self.reference, self.memorisation = None, None, None
+        load_extractor, load_reference = SCORERS[cfg.dataset.kind]
+        self.extractor = load_extractor(cfg, device)  # every process extracts the features of its own samples
+        self.reference, self.memorisation = None, None
         if accelerator.is_main_process:  # only the main process scores
-            self.extractor, self.reference = SCORERS[cfg.dataset.kind](cfg, device)
+            self.reference = load_reference(cfg, self.extractor)
             if cfg.dataset.kind == "digits":
                 self.memorisation = [self.decoder.decode(load_digits_split(split, cfg.dataset.input_size)[0]).numpy()
                                      for split in ("train", "test")]
@@ -95,12 +97,18 @@ class TrainingEvaluator:
             guided = build_guided_net(net, {"cfg_scale": scale}, class_drop_prob=self.class_drop_prob)
             precision = contextlib.nullcontext() if self.fp32 else self.accelerator.autocast()
             with precision:
-                images, labels = generate(guided, self.seeds, sampler_kwargs=self.sampler_kwargs,
-                                          decoder=self.decoder, batch_size=self.batch_size,
-                                          accelerator=self.accelerator, progress=False)
+                share, share_labels, rows = generate(guided, self.seeds, sampler_kwargs=self.sampler_kwargs,
+                                                     decoder=self.decoder, batch_size=self.batch_size,
+                                                     accelerator=self.accelerator, progress=False, gather=False)
+            keys = ("pool", "spatial", "logits") if self.all_metrics else ("pool",)
+            feats = compute_features_distributed(self.extractor, share, self.accelerator, indices=rows,
+                                                 batch_size=256, keys=keys, stats_keys=("spatial",))
+            world, rank = self.accelerator.num_processes, self.accelerator.process_index
+            whole, _ = gather_rows({"images": share, "labels": share_labels}, rows, world, rank)
             if self.accelerator.is_main_process:
                 suffix = "" if scale == 1.0 else f"_cfg{scale:g}"
-                scores = self.score(images, labels)
+                images, labels = whole["images"], whole["labels"]
+                scores = self.score(feats, images, labels)
                 metrics.update({f"{k}{suffix}": v for k, v in scores.items()})
                 self.samples_dir.mkdir(parents=True, exist_ok=True)
                 grid = save_image_grid(self.samples_dir / f"step_{step:08d}{suffix}.png", images, labels,
@@ -114,10 +122,9 @@ class TrainingEvaluator:
         self.accelerator.wait_for_everyone()
         return metrics
 
-    def score(self, images, labels) -> dict:
-        """FID (and with all_metrics sFID, IS, precision, recall; on the digits nn_ratio) of one sample set."""
-        keys = ("pool", "spatial", "logits") if self.all_metrics else ("pool",)
-        feats = compute_features(self.extractor, images, batch_size=256, keys=keys, stats_keys=("spatial",))
+    def score(self, feats, images, labels) -> dict:
+        """FID (with all_metrics also sFID, IS, precision, recall; on the digits class_acc and nn_ratio) of one
+        sample set, from its features."""
         if self.all_metrics:
             scores = metrics_from_features(feats, self.reference)
             metrics = {"fid": scores["fid"], "sfid": scores["sfid"], "is": scores["inception_score"],
