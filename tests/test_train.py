@@ -268,3 +268,15 @@ def test_gradient_accumulation_run_counts_optimizer_steps(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path / "acc" / "checkpoints")] == [2, 4]
     state = final_state(tmp_path / "acc")
     assert all(v["step"].item() == 4 for v in state["optimizer"]["state"].values())  # AdamW stepped 4 times
+
+
+def test_warmup_rises_linearly_then_holds_and_is_off_by_default():
+    from omegaconf import OmegaConf
+
+    from training.loop import learning_rate
+
+    warm = OmegaConf.create({"lr": 1e-3, "warmup_steps": 4})
+    assert [learning_rate(warm, s) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        paper = compose("config", overrides=["dataset=imagenet256", "dataset.train_path=x"])
+    assert paper.train.optimizer.warmup_steps == 0 and learning_rate(paper.train.optimizer, 0) == 1e-4

@@ -138,6 +138,7 @@ RANGES = [
     ("train.optimizer.weight_decay", at_least(0), ">= 0", "e.g. train.optimizer.weight_decay=0"),
     ("train.optimizer.grad_clip", lambda v: v is None or v > 0, "null (no clipping) or > 0",
      "e.g. train.optimizer.grad_clip=1.0"),
+    ("train.optimizer.warmup_steps", at_least(0), ">= 0 (0: no warm-up)", "e.g. train.optimizer.warmup_steps=0"),
     ("train.ema.decay", in_unit, "in [0, 1) (1 would never move the EMA)", "e.g. train.ema.decay=0.9999"),
     ("train.logging.log_interval", at_least(1), "at least 1 step", "e.g. train.logging.log_interval=100"),
     ("train.eval.eval_interval", at_least(0), ">= 0 (0 = off)", "e.g. train.eval.eval_interval=50000"),

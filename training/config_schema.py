@@ -135,6 +135,7 @@ class OptimizerSchema:
     eps: float = key("AdamW epsilon, > 0")
     weight_decay: float = key("AdamW weight decay, >= 0")
     grad_clip: Optional[float] = key("max gradient norm, > 0 (null: none)")
+    warmup_steps: int = key("linear learning-rate warm-up over this many steps, >= 0 (0: none, the authors')", 0)
 
 
 @dataclass

@@ -210,6 +210,12 @@ def save_snapshot(run: Run, step: int):
     accelerator.wait_for_everyone()
 
 
+def learning_rate(o, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): a function of the step alone, so resume is exact."""
+    warmup = int(o.get("warmup_steps", 0) or 0)
+    return float(o.lr) * min(1.0, (step + 1) / warmup) if warmup > 0 else float(o.lr)
+
+
 def accumulate_gradients(run: Run, num_classes: int, drop_prob: float) -> torch.Tensor:
     """Backward over `run.accum` micro-batches (gradients synchronised across processes on the last only);
     the gradient is that of the mean loss over the whole global batch. Returns that mean loss, detached."""
@@ -267,6 +273,9 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
     try:
         while step < t.max_steps:
             # Update weights.
+            lr = learning_rate(o, step)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
             loss = accumulate_gradients(run, num_classes, drop_prob)
             if o.grad_clip:
                 accelerator.clip_grad_norm_(run.model.parameters(), o.grad_clip)
@@ -293,7 +302,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
                     steps_per_sec = steps_since_log / (time.time() - t_log)
                     run.logger.log(step, {"loss": mean_loss, "steps_per_sec": steps_per_sec,
                                           "images_per_sec": steps_per_sec * t.general.batch_size,
-                                          "epoch": step * run.accum / run.sampler.steps_per_epoch, "lr": o.lr,
+                                          "epoch": step * run.accum / run.sampler.steps_per_epoch, "lr": lr,
                                           "world_size": world})
                     bar.interval(step, mean_loss, steps_per_sec)
                 loss_sum.zero_()
