@@ -44,6 +44,9 @@ class RouteError(UserError):
     """An invalid route configuration."""
 
 
+ROUTE_KEYS = ("start_layer_idx", "end_layer_idx", "selection_ratio", "selection", "importance_mix")
+
+
 def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
     """Validate routes from the config and return them as `Route`s with non-negative indices.
 
@@ -52,6 +55,9 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
     """
     resolved = []
     for i, r in enumerate(routes or []):
+        unknown = sorted(set(r) - set(ROUTE_KEYS)) if hasattr(r, "keys") else []
+        if unknown:  # a misspelt option would otherwise fall back to its default unseen
+            raise RouteError(f"route {i}: unknown key(s) {unknown}; accepted: {', '.join(ROUTE_KEYS)}")
         try:
             start, end, ratio = int(r["start_layer_idx"]), int(r["end_layer_idx"]), float(r["selection_ratio"])
         except (KeyError, TypeError, ValueError):

@@ -45,6 +45,17 @@ def _backbone(net):
     return net, getattr(net, "model", net)
 
 
+ROUTING_GUIDANCE_KEYS = ("scale", "weak_ratio", "strong_ratio")
+
+
+def _refuse_unknown(options: Mapping, accepted, what: str):
+    """A misspelt option would otherwise be ignored. (The top level is not checked: sample.py passes its
+    whole config, which the schema has already checked.)"""
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise UserError(f"unknown {what}(s) {unknown}; accepted: {', '.join(accepted)}")
+
+
 def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob: Optional[float] = None):
     """Wrap `net` with the guidance `options` asks for (a dict or config node; absent keys = off):
 
@@ -64,6 +75,7 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
         raise UserError(f"cfg_scale must be a number, got {get('cfg_scale')!r}") from None
     interval = get("guidance_interval")
     routing = get("routing_guidance") or {}
+    _refuse_unknown(routing, ROUTING_GUIDANCE_KEYS, "routing_guidance key")
     routing_scale = routing.get("scale")
     if interval is not None:
         try:
