@@ -15,11 +15,22 @@ the L1 norm of its hidden vector, the score is min-max normalised per sample and
 noise, `importance_mix * score + (1 - importance_mix) * noise`, and the HIGHEST-scoring tokens are
 kept (`importance_mix=1`: exactly the highest-norm tokens; 0: uniform random).
 
+Ratio schedules: a route may vary its ratio with the training step, `schedule = {kind: constant | linear
+| cosine, start_ratio, end_ratio, start_step, end_step, levels}`. `constant` (the default) is
+`selection_ratio` throughout; `linear` / `cosine` hold `start_ratio` (null: `selection_ratio`) up to
+`start_step`, move to `end_ratio` by `end_step` (cosine: slow at both ends) and hold it after. `levels=L`
+rounds the ratio to L evenly spaced values from start_ratio to end_ratio. The router is told the step by
+`set_step(step)` (training/loop.py, before each step) and the ratio is a pure function of it, so a resumed
+run routes as an uninterrupted one; `off_after_step=S` turns every route off from step S on. The kept
+count changes with the ratio, and torch.compile recompiles the model for each distinct count (dynamo
+keeps 8 by default): a smooth schedule over many steps wants `levels` of a few values.
+
 `force_keep` ([B, N] bool, a forward keyword) marks tokens that are never skipped. The kept count
 must be the same for every sample of a batch, so it is `max(N - int(N * ratio), most forced tokens
 in any sample)`: a sample with many forced tokens raises the kept count of the whole batch, and
 samples with fewer fill the rest by their selection rule.
 """
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -29,6 +40,27 @@ import torch.nn as nn
 from tread_utils.errors import UserError
 
 SELECTIONS = ("random", "importance")
+SCHEDULE_KINDS = ("constant", "linear", "cosine")
+SCHEDULE_KEYS = ("kind", "start_ratio", "end_ratio", "start_step", "end_step", "levels")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str = "constant"
+    start_ratio: float = 0.0
+    end_ratio: float = 0.0
+    start_step: int = 0
+    end_step: int = 0
+    levels: Optional[int] = None
+
+    def ratio_at(self, step: int) -> float:
+        """The ratio at a training step (not for kind constant: the route's selection_ratio is)."""
+        t = min(max((step - self.start_step) / (self.end_step - self.start_step), 0.0), 1.0)
+        if self.kind == "cosine":
+            t = 0.5 * (1.0 - math.cos(math.pi * t))
+        if self.levels:
+            t = round(t * (self.levels - 1)) / (self.levels - 1)
+        return self.start_ratio + (self.end_ratio - self.start_ratio) * t
 
 
 @dataclass(frozen=True)
@@ -38,13 +70,49 @@ class Route:
     selection_ratio: float
     selection: str = "random"
     importance_mix: float = 0.0
+    schedule: Schedule = Schedule()
+
+    def ratio_at(self, step: Optional[int]) -> float:
+        """The ratio in training at `step` (None: not told, the schedule's start)."""
+        if self.schedule.kind == "constant":
+            return self.selection_ratio
+        return self.schedule.ratio_at(self.schedule.start_step if step is None else step)
 
 
 class RouteError(UserError):
     """An invalid route configuration."""
 
 
-ROUTE_KEYS = ("start_layer_idx", "end_layer_idx", "selection_ratio", "selection", "importance_mix")
+ROUTE_KEYS = ("start_layer_idx", "end_layer_idx", "selection_ratio", "selection", "importance_mix", "schedule")
+
+
+def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
+    """A route's `schedule` mapping (None: constant) as a checked `Schedule`."""
+    spec = dict(spec or {})
+    unknown = sorted(set(spec) - set(SCHEDULE_KEYS))
+    if unknown:
+        raise RouteError(f"{name}: unknown schedule key(s) {unknown}; accepted: {', '.join(SCHEDULE_KEYS)}")
+    kind = str(spec.get("kind") or "constant")
+    if kind not in SCHEDULE_KINDS:
+        raise RouteError(f"{name}: schedule.kind must be one of {', '.join(SCHEDULE_KINDS)}, got {kind!r}")
+    if kind == "constant":
+        return Schedule()
+    try:
+        start_ratio = float(ratio if spec.get("start_ratio") is None else spec["start_ratio"])
+        end_ratio, end_step = float(spec["end_ratio"]), int(spec["end_step"])
+        start_step = int(spec.get("start_step") or 0)
+        levels = None if spec.get("levels") is None else int(spec["levels"])
+    except (KeyError, TypeError, ValueError):
+        raise RouteError(f"{name}: a {kind} schedule needs a float end_ratio and an integer end_step (and "
+                         f"optionally start_ratio, start_step, levels), got {spec}") from None
+    for which, r in (("start_ratio", start_ratio), ("end_ratio", end_ratio)):
+        if not 0.0 <= r < 1.0:
+            raise RouteError(f"{name}: schedule.{which} must be in [0, 1), got {r}")
+    if not 0 <= start_step < end_step:
+        raise RouteError(f"{name}: the schedule needs 0 <= start_step < end_step, got {start_step} and {end_step}")
+    if levels is not None and levels < 2:
+        raise RouteError(f"{name}: schedule.levels must be at least 2 (or null: no rounding), got {levels}")
+    return Schedule(kind, start_ratio, end_ratio, start_step, end_step, levels)
 
 
 def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
@@ -85,7 +153,8 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
             raise RouteError(f"{name}: overlaps or comes before route {i - 1} ({prev.start_layer_idx} -> "
                              f"{prev.end_layer_idx}) in a model of depth {depth}; list routes in order, "
                              f"each starting after the previous one ends")
-        resolved.append(Route(start, end, ratio, selection, mix))
+        schedule = resolve_schedule(r.get("schedule"), ratio, name)
+        resolved.append(Route(start, end, ratio, selection, mix, schedule))
     return resolved
 
 
@@ -155,6 +224,16 @@ class TokenRouter(nn.Module):
         self.routes = list(routes)
         self.enable_routing = enable_routing
         self.fp32_after_route = fp32_after_route
+        self.step: Optional[int] = None       # the training step, for ratio schedules (set_step)
+        self.off_after_step: Optional[int] = None  # routing off from this step on (train.routing_off_after)
+        self._step_ratios = tuple(r.ratio_at(None) for r in self.routes)
+
+    def set_step(self, step: int):
+        """Tell the router the training step about to run: scheduled ratios and routing_off_after follow it.
+        The ratios are computed here, not in forward, so a compiled forward guards on them, not on the step."""
+        self.step = int(step)
+        off = self.off_after_step is not None and self.step >= self.off_after_step
+        self._step_ratios = tuple(0.0 if off else r.ratio_at(self.step) for r in self.routes)
 
     def extra_repr(self):
         return f"routes={self.routes}, enable_routing={self.enable_routing}"
@@ -168,7 +247,7 @@ class TokenRouter(nn.Module):
                 raise RouteError(f"force_routing_ratio must be in [0, 1), got {force_ratio}")
             return [float(force_ratio)] * len(self.routes)
         on = self.training and self.enable_routing
-        return [r.selection_ratio if on else 0.0 for r in self.routes]
+        return [ratio if on else 0.0 for ratio in self._step_ratios]
 
     def forward(self, blocks: Sequence[nn.Module], x, c, force_ratio: Optional[float] = None,
                 seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None):
