@@ -25,6 +25,10 @@ run routes as an uninterrupted one; `off_after_step=S` turns every route off fro
 count changes with the ratio, and torch.compile recompiles the model for each distinct count (dynamo
 keeps 8 by default): a smooth schedule over many steps wants `levels` of a few values.
 
+Fusion per route: `none` (TREAD, above) or `sprint` (backbones/sprint.py): the skipped positions come back
+as a mask token, and the route's output is a projection of [deep output, route input]; the model owns
+those parameters and passes them in (`fusions`), so the router itself still holds none.
+
 `force_keep` ([B, N] bool, a forward keyword) marks tokens that are never skipped. The kept count
 must be the same for every sample of a batch, so it is `max(N - int(N * ratio), most forced tokens
 in any sample)`: a sample with many forced tokens raises the kept count of the whole batch, and
@@ -37,6 +41,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from backbones.sprint import FUSION_INITS, FUSIONS, MASK_TOKEN_INITS
 from tread_utils.errors import UserError
 
 SELECTIONS = ("random", "importance")
@@ -71,6 +76,11 @@ class Route:
     selection: str = "random"
     importance_mix: float = 0.0
     schedule: Schedule = Schedule()
+    fusion: str = "none"
+    path_drop_prob: float = 0.1
+    mask_token_trainable: bool = False
+    mask_token_init: str = "normal"
+    fusion_init: str = "xavier"
 
     def ratio_at(self, step: Optional[int]) -> float:
         """The ratio in training at `step` (None: not told, the schedule's start)."""
@@ -83,7 +93,8 @@ class RouteError(UserError):
     """An invalid route configuration."""
 
 
-ROUTE_KEYS = ("start_layer_idx", "end_layer_idx", "selection_ratio", "selection", "importance_mix", "schedule")
+ROUTE_KEYS = ("start_layer_idx", "end_layer_idx", "selection_ratio", "selection", "importance_mix", "schedule",
+              "fusion", "path_drop_prob", "mask_token_trainable", "mask_token_init", "fusion_init")
 
 
 def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
@@ -113,6 +124,23 @@ def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
     if levels is not None and levels < 2:
         raise RouteError(f"{name}: schedule.levels must be at least 2 (or null: no rounding), got {levels}")
     return Schedule(kind, start_ratio, end_ratio, start_step, end_step, levels)
+
+
+def resolve_fusion(r, name: str) -> dict:
+    """A route's fusion options (backbones/sprint.py), checked."""
+    out = dict(fusion=str(r.get("fusion") or "none"), path_drop_prob=r.get("path_drop_prob", 0.1),
+               mask_token_trainable=r.get("mask_token_trainable", False),
+               mask_token_init=str(r.get("mask_token_init") or "normal"), fusion_init=str(r.get("fusion_init") or "xavier"))
+    for key, allowed in (("fusion", FUSIONS), ("mask_token_init", MASK_TOKEN_INITS), ("fusion_init", FUSION_INITS)):
+        if out[key] not in allowed:
+            raise RouteError(f"{name}: {key} must be one of {', '.join(allowed)}, got {out[key]!r}")
+    if not isinstance(out["path_drop_prob"], (int, float)) or not 0.0 <= out["path_drop_prob"] < 1.0:
+        raise RouteError(f"{name}: path_drop_prob must be in [0, 1) (the fraction of training samples whose deep "
+                         f"path is replaced by mask tokens), got {out['path_drop_prob']!r}")
+    if not isinstance(out["mask_token_trainable"], bool):
+        raise RouteError(f"{name}: mask_token_trainable must be true or false, got {out['mask_token_trainable']!r}")
+    out["path_drop_prob"] = float(out["path_drop_prob"])
+    return out
 
 
 def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
@@ -154,7 +182,7 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
                              f"{prev.end_layer_idx}) in a model of depth {depth}; list routes in order, "
                              f"each starting after the previous one ends")
         schedule = resolve_schedule(r.get("schedule"), ratio, name)
-        resolved.append(Route(start, end, ratio, selection, mix, schedule))
+        resolved.append(Route(start, end, ratio, selection, mix, schedule, **resolve_fusion(r, name)))
     return resolved
 
 
@@ -250,28 +278,43 @@ class TokenRouter(nn.Module):
         return [ratio if on else 0.0 for ratio in self._step_ratios]
 
     def forward(self, blocks: Sequence[nn.Module], x, c, force_ratio: Optional[float] = None,
-                seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None):
-        """`run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing)."""
+                seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None,
+                fusions: Optional[nn.ModuleDict] = None, drop_deep_path: bool = False):
+        """`run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing).
+        `fusions`: route index (str) -> SprintFusion for the routes with `fusion: sprint`, which end in it
+        even when no token is dropped; `drop_deep_path` skips their blocks (mask tokens instead)."""
         run_block = run_block or (lambda block, x, c: block(x, c))
+        fusions = fusions if fusions is not None else {}
         ratios = self.active_ratios(force_ratio)
-        starts = {r.start_layer_idx: (r, ratio) for r, ratio in zip(self.routes, ratios) if ratio > 0}
+        starts = {r.start_layer_idx: (r, ratio, fusions[str(k)] if str(k) in fusions else None)
+                  for k, (r, ratio) in enumerate(zip(self.routes, ratios)) if ratio > 0 or str(k) in fusions}
         generator = None
         if seed is not None and starts:
             generator = torch.Generator(device=x.device).manual_seed(int(seed))
-        route, x_full, keep_idx, after_route = None, None, None, False
+        route, fusion, x_full, keep_idx, after_route = None, None, None, None, False
         for i, block in enumerate(blocks):
             if i in starts:
-                route, ratio = starts[i]
-                x_full = x
-                keep_idx = select_kept_tokens(x, ratio, generator, route.selection, route.importance_mix, force_keep)
-                x = start_route(x, keep_idx)
-            if after_route and self.fp32_after_route and _autocast_on(x.device.type):
+                route, ratio, fusion = starts[i]
+                x_full, keep_idx = x, None
+                if ratio > 0:
+                    keep_idx = select_kept_tokens(x, ratio, generator, route.selection, route.importance_mix,
+                                                  force_keep)
+                    x = start_route(x, keep_idx)
+            skip = drop_deep_path and fusion is not None  # the deep path's output is all mask tokens
+            if skip:
+                pass
+            elif after_route and self.fp32_after_route and _autocast_on(x.device.type):
                 with torch.autocast(device_type=x.device.type, enabled=False):
                     x = run_block(block, x.float(), c.float())
+                after_route = False
             else:
                 x = run_block(block, x, c)
-            after_route = False
+                after_route = False
             if route is not None and i == route.end_layer_idx:
-                x = end_route(x, x_full, keep_idx)
-                route, x_full, keep_idx, after_route = None, None, None, True
+                if fusion is not None:
+                    x = fusion(None if skip else x, x_full, keep_idx, drop_all=skip)
+                else:
+                    x = end_route(x, x_full, keep_idx)
+                after_route = keep_idx is not None
+                route, fusion, x_full, keep_idx = None, None, None, None
         return x

@@ -53,6 +53,11 @@ class RouteSchema:
     importance_mix: float = key("importance selection: score weight against noise, in [0, 1]", 0.0)
     schedule: RouteScheduleSchema = key("the ratio as a function of the training step",
                                         factory=RouteScheduleSchema)
+    fusion: str = key("none (TREAD: skipped tokens rejoin unchanged) or sprint (SPRINT's sparse deep path)", "none")
+    path_drop_prob: float = key("sprint: training samples whose deep output is all mask tokens, in [0, 1)", 0.1)
+    mask_token_trainable: bool = key("sprint: train the mask token (SPRINT: frozen)", False)
+    mask_token_init: str = key("sprint: mask token init, normal (std 0.02, SPRINT's) or zeros", "normal")
+    fusion_init: str = key("sprint: 2C -> C projection init, xavier (SPRINT's) or deep ([I | 0])", "xavier")
 
 
 @dataclass

@@ -89,6 +89,7 @@ def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, r
     per_sample = sum(block_forward_flops(a, n) for n in counts)
     # the SSM's convolution kernels (forward and backward scan) are built once per batch, not per sample
     per_batch = sum(2 * 2 * D * S * n for n in counts) if a["block_type"] == "ssm" else 0
+    per_sample += sum(2 * N * 2 * D * D for r in routes if r.fusion == "sprint")  # SPRINT's 2C -> C projection
     per_sample += 2 * 256 * D + 2 * D * D                 # timestep MLP
     per_sample += 2 * D * 2 * D + 2 * N * D * p * p * C   # final adaLN and linear
     patch_embed = 2 * N * C * p * p * D
