@@ -138,3 +138,25 @@ def test_config_check_and_flop_count_know_sprint_routes():
     params = dict(num_classes=10, in_channels=4, input_size=32, enable_routing=True, routes=[SPRINT])
     measured, analytic = training_step_flops("DiT-S/2", params, 2), analytic_training_flops("DiT-S/2", params, 2)
     assert abs(measured - analytic) / measured < 0.01
+
+
+def test_path_drop_guidance_weak_branch_is_the_model_with_its_path_dropped():
+    from edm.guidance import PathDropGuidance
+    from edm.precond import EDMPrecond
+    from generation import build_guided_net
+
+    model = sprint_model().eval()
+    net = EDMPrecond(model)
+    x, _, y = inputs()
+    sigma = torch.tensor(2.0)
+    with torch.no_grad():
+        weak, full = net(x, sigma, y, drop_deep_path=True), net(x, sigma, y)
+        guided = build_guided_net(net, {"path_drop_guidance": {"scale": 1.5}, "guidance_interval": [1, 3]})
+        assert isinstance(guided, PathDropGuidance)
+        torch.testing.assert_close(guided(x, sigma, y), weak + 1.5 * (full - weak))
+        torch.testing.assert_close(guided(x, torch.tensor(5.0), y), net(x, torch.tensor(5.0), y))  # outside
+        assert PathDropGuidance(net, 0.0)(x, sigma, y).equal(weak)
+    with pytest.raises(UserError, match="SPRINT routes"):
+        build_guided_net(EDMPrecond(get_model("DiT-T/2", dict(num_classes=10, in_channels=1, input_size=16,
+                                                              enable_routing=False, depth=2))),
+                         {"path_drop_guidance": {"scale": 1.5}})

@@ -229,6 +229,11 @@ class RoutingGuidanceSchema:
 
 
 @dataclass
+class PathDropGuidanceSchema:
+    scale: Optional[float] = key("SPRINT path-drop guidance scale (null: off)", None)
+
+
+@dataclass
 class SampleSchema:
     """configs/sample.yaml (what sample.py receives)."""
     ckpt: str = key("checkpoint file or run directory")
@@ -247,3 +252,5 @@ class SampleSchema:
     cfg_scale: float = key("classifier-free guidance scale (1: unguided)")
     guidance_interval: Optional[List[float]] = key("[sigma_lo, sigma_hi]: CFG only inside (null: everywhere)")
     routing_guidance: RoutingGuidanceSchema = key("TREAD routing guidance", factory=RoutingGuidanceSchema)
+    path_drop_guidance: PathDropGuidanceSchema = key("SPRINT path-drop guidance (sprint routes)",
+                                                     factory=PathDropGuidanceSchema)
