@@ -20,6 +20,7 @@ from timm.layers import Mlp, PatchEmbed
 from torch.utils.checkpoint import checkpoint
 
 from backbones.adaln import modulate
+from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
 from routing_module import TokenRouter, resolve_routes
 from tread_utils.errors import UserError
@@ -136,6 +137,11 @@ class DiT(nn.Module):
         block_cls = block_classes()[block_type]
         self.blocks = nn.ModuleList([block_cls(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
         self.router = TokenRouter(resolve_routes(routes, depth), enable_routing, fp32_after_route)
+        # SPRINT routes' mask token and projection (none for TREAD routes: their state dict is unchanged)
+        self.fusions = nn.ModuleDict({
+            str(k): SprintFusion(hidden_size, r.path_drop_prob, r.mask_token_trainable, r.mask_token_init,
+                                 r.fusion_init)
+            for k, r in enumerate(self.router.routes) if r.fusion == "sprint"})
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.initialize_weights(init)
 
@@ -153,6 +159,8 @@ class DiT(nn.Module):
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        for fusion in self.fusions.values():  # its own init (SPRINT's), not the blanket xavier
+            fusion.reset_parameters()
         if init == "official":  # the authors' code stops here: modulation and output layers keep xavier
             return
         # adaLN-Zero: every residual branch and the output start at zero.
@@ -176,15 +184,18 @@ class DiT(nn.Module):
             return checkpoint(block, x, c, use_reentrant=False)
         return block(x, c)
 
-    def forward(self, x, t, y=None, force_routing_ratio=None, routing_seed=None, force_keep=None):
+    def forward(self, x, t, y=None, force_routing_ratio=None, routing_seed=None, force_keep=None,
+                drop_deep_path=False):
         """x [B, C, H, W], t [B] noise level, y [B] labels (None or `num_classes` = unconditional).
 
-        force_keep: optional [B, N] bool mask of tokens (patch grid, row-major) that are never routed."""
+        force_keep: optional [B, N] bool mask of tokens (patch grid, row-major) that are never routed.
+        drop_deep_path: SPRINT routes skip their blocks, mask tokens instead (path-drop guidance's weak branch)."""
         if y is None:
             y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
         x = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y)
-        x = self.router(self.blocks, x, c, force_routing_ratio, routing_seed, self._run_block, force_keep)
+        x = self.router(self.blocks, x, c, force_routing_ratio, routing_seed, self._run_block, force_keep,
+                        self.fusions, drop_deep_path)
         return self.unpatchify(self.final_layer(x, c))
 
 

@@ -15,20 +15,57 @@ the L1 norm of its hidden vector, the score is min-max normalised per sample and
 noise, `importance_mix * score + (1 - importance_mix) * noise`, and the HIGHEST-scoring tokens are
 kept (`importance_mix=1`: exactly the highest-norm tokens; 0: uniform random).
 
+Ratio schedules: a route may vary its ratio with the training step, `schedule = {kind: constant | linear
+| cosine, start_ratio, end_ratio, start_step, end_step, levels}`. `constant` (the default) is
+`selection_ratio` throughout; `linear` / `cosine` hold `start_ratio` (null: `selection_ratio`) up to
+`start_step`, move to `end_ratio` by `end_step` (cosine: slow at both ends) and hold it after. `levels=L`
+rounds the ratio to L evenly spaced values from start_ratio to end_ratio. The router is told the step by
+`set_step(step)` (training/loop.py, before each step) and the ratio is a pure function of it, so a resumed
+run routes as an uninterrupted one; `off_after_step=S` turns every route off from step S on. The kept
+count changes with the ratio, and torch.compile recompiles the model for each distinct count (dynamo
+keeps 8 by default): a smooth schedule over many steps wants `levels` of a few values.
+
+Fusion per route: `none` (TREAD, above) or `sprint` (backbones/sprint.py): the skipped positions come back
+as a mask token, and the route's output is a projection of [deep output, route input]; the model owns
+those parameters and passes them in (`fusions`), so the router itself still holds none.
+
 `force_keep` ([B, N] bool, a forward keyword) marks tokens that are never skipped. The kept count
 must be the same for every sample of a batch, so it is `max(N - int(N * ratio), most forced tokens
 in any sample)`: a sample with many forced tokens raises the kept count of the whole batch, and
 samples with fewer fill the rest by their selection rule.
 """
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
+from backbones.sprint import FUSION_INITS, FUSIONS, MASK_TOKEN_INITS
 from tread_utils.errors import UserError
 
 SELECTIONS = ("random", "importance")
+SCHEDULE_KINDS = ("constant", "linear", "cosine")
+SCHEDULE_KEYS = ("kind", "start_ratio", "end_ratio", "start_step", "end_step", "levels")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str = "constant"
+    start_ratio: float = 0.0
+    end_ratio: float = 0.0
+    start_step: int = 0
+    end_step: int = 0
+    levels: Optional[int] = None
+
+    def ratio_at(self, step: int) -> float:
+        """The ratio at a training step (not for kind constant: the route's selection_ratio is)."""
+        t = min(max((step - self.start_step) / (self.end_step - self.start_step), 0.0), 1.0)
+        if self.kind == "cosine":
+            t = 0.5 * (1.0 - math.cos(math.pi * t))
+        if self.levels:
+            t = round(t * (self.levels - 1)) / (self.levels - 1)
+        return self.start_ratio + (self.end_ratio - self.start_ratio) * t
 
 
 @dataclass(frozen=True)
@@ -38,10 +75,72 @@ class Route:
     selection_ratio: float
     selection: str = "random"
     importance_mix: float = 0.0
+    schedule: Schedule = Schedule()
+    fusion: str = "none"
+    path_drop_prob: float = 0.1
+    mask_token_trainable: bool = False
+    mask_token_init: str = "normal"
+    fusion_init: str = "xavier"
+
+    def ratio_at(self, step: Optional[int]) -> float:
+        """The ratio in training at `step` (None: not told, the schedule's start)."""
+        if self.schedule.kind == "constant":
+            return self.selection_ratio
+        return self.schedule.ratio_at(self.schedule.start_step if step is None else step)
 
 
 class RouteError(UserError):
     """An invalid route configuration."""
+
+
+ROUTE_KEYS = ("start_layer_idx", "end_layer_idx", "selection_ratio", "selection", "importance_mix", "schedule",
+              "fusion", "path_drop_prob", "mask_token_trainable", "mask_token_init", "fusion_init")
+
+
+def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
+    """A route's `schedule` mapping (None: constant) as a checked `Schedule`."""
+    spec = dict(spec or {})
+    unknown = sorted(set(spec) - set(SCHEDULE_KEYS))
+    if unknown:
+        raise RouteError(f"{name}: unknown schedule key(s) {unknown}; accepted: {', '.join(SCHEDULE_KEYS)}")
+    kind = str(spec.get("kind") or "constant")
+    if kind not in SCHEDULE_KINDS:
+        raise RouteError(f"{name}: schedule.kind must be one of {', '.join(SCHEDULE_KINDS)}, got {kind!r}")
+    if kind == "constant":
+        return Schedule()
+    try:
+        start_ratio = float(ratio if spec.get("start_ratio") is None else spec["start_ratio"])
+        end_ratio, end_step = float(spec["end_ratio"]), int(spec["end_step"])
+        start_step = int(spec.get("start_step") or 0)
+        levels = None if spec.get("levels") is None else int(spec["levels"])
+    except (KeyError, TypeError, ValueError):
+        raise RouteError(f"{name}: a {kind} schedule needs a float end_ratio and an integer end_step (and "
+                         f"optionally start_ratio, start_step, levels), got {spec}") from None
+    for which, r in (("start_ratio", start_ratio), ("end_ratio", end_ratio)):
+        if not 0.0 <= r < 1.0:
+            raise RouteError(f"{name}: schedule.{which} must be in [0, 1), got {r}")
+    if not 0 <= start_step < end_step:
+        raise RouteError(f"{name}: the schedule needs 0 <= start_step < end_step, got {start_step} and {end_step}")
+    if levels is not None and levels < 2:
+        raise RouteError(f"{name}: schedule.levels must be at least 2 (or null: no rounding), got {levels}")
+    return Schedule(kind, start_ratio, end_ratio, start_step, end_step, levels)
+
+
+def resolve_fusion(r, name: str) -> dict:
+    """A route's fusion options (backbones/sprint.py), checked."""
+    out = dict(fusion=str(r.get("fusion") or "none"), path_drop_prob=r.get("path_drop_prob", 0.1),
+               mask_token_trainable=r.get("mask_token_trainable", False),
+               mask_token_init=str(r.get("mask_token_init") or "normal"), fusion_init=str(r.get("fusion_init") or "xavier"))
+    for key, allowed in (("fusion", FUSIONS), ("mask_token_init", MASK_TOKEN_INITS), ("fusion_init", FUSION_INITS)):
+        if out[key] not in allowed:
+            raise RouteError(f"{name}: {key} must be one of {', '.join(allowed)}, got {out[key]!r}")
+    if not isinstance(out["path_drop_prob"], (int, float)) or not 0.0 <= out["path_drop_prob"] < 1.0:
+        raise RouteError(f"{name}: path_drop_prob must be in [0, 1) (the fraction of training samples whose deep "
+                         f"path is replaced by mask tokens), got {out['path_drop_prob']!r}")
+    if not isinstance(out["mask_token_trainable"], bool):
+        raise RouteError(f"{name}: mask_token_trainable must be true or false, got {out['mask_token_trainable']!r}")
+    out["path_drop_prob"] = float(out["path_drop_prob"])
+    return out
 
 
 def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
@@ -52,6 +151,9 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
     """
     resolved = []
     for i, r in enumerate(routes or []):
+        unknown = sorted(set(r) - set(ROUTE_KEYS)) if hasattr(r, "keys") else []
+        if unknown:  # a misspelt option would otherwise fall back to its default unseen
+            raise RouteError(f"route {i}: unknown key(s) {unknown}; accepted: {', '.join(ROUTE_KEYS)}")
         try:
             start, end, ratio = int(r["start_layer_idx"]), int(r["end_layer_idx"]), float(r["selection_ratio"])
         except (KeyError, TypeError, ValueError):
@@ -79,7 +181,8 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
             raise RouteError(f"{name}: overlaps or comes before route {i - 1} ({prev.start_layer_idx} -> "
                              f"{prev.end_layer_idx}) in a model of depth {depth}; list routes in order, "
                              f"each starting after the previous one ends")
-        resolved.append(Route(start, end, ratio, selection, mix))
+        schedule = resolve_schedule(r.get("schedule"), ratio, name)
+        resolved.append(Route(start, end, ratio, selection, mix, schedule, **resolve_fusion(r, name)))
     return resolved
 
 
@@ -149,6 +252,16 @@ class TokenRouter(nn.Module):
         self.routes = list(routes)
         self.enable_routing = enable_routing
         self.fp32_after_route = fp32_after_route
+        self.step: Optional[int] = None       # the training step, for ratio schedules (set_step)
+        self.off_after_step: Optional[int] = None  # routing off from this step on (train.routing_off_after)
+        self._step_ratios = tuple(r.ratio_at(None) for r in self.routes)
+
+    def set_step(self, step: int):
+        """Tell the router the training step about to run: scheduled ratios and routing_off_after follow it.
+        The ratios are computed here, not in forward, so a compiled forward guards on them, not on the step."""
+        self.step = int(step)
+        off = self.off_after_step is not None and self.step >= self.off_after_step
+        self._step_ratios = tuple(0.0 if off else r.ratio_at(self.step) for r in self.routes)
 
     def extra_repr(self):
         return f"routes={self.routes}, enable_routing={self.enable_routing}"
@@ -162,31 +275,46 @@ class TokenRouter(nn.Module):
                 raise RouteError(f"force_routing_ratio must be in [0, 1), got {force_ratio}")
             return [float(force_ratio)] * len(self.routes)
         on = self.training and self.enable_routing
-        return [r.selection_ratio if on else 0.0 for r in self.routes]
+        return [ratio if on else 0.0 for ratio in self._step_ratios]
 
     def forward(self, blocks: Sequence[nn.Module], x, c, force_ratio: Optional[float] = None,
-                seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None):
-        """`run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing)."""
+                seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None,
+                fusions: Optional[nn.ModuleDict] = None, drop_deep_path: bool = False):
+        """`run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing).
+        `fusions`: route index (str) -> SprintFusion for the routes with `fusion: sprint`, which end in it
+        even when no token is dropped; `drop_deep_path` skips their blocks (mask tokens instead)."""
         run_block = run_block or (lambda block, x, c: block(x, c))
+        fusions = fusions if fusions is not None else {}
         ratios = self.active_ratios(force_ratio)
-        starts = {r.start_layer_idx: (r, ratio) for r, ratio in zip(self.routes, ratios) if ratio > 0}
+        starts = {r.start_layer_idx: (r, ratio, fusions[str(k)] if str(k) in fusions else None)
+                  for k, (r, ratio) in enumerate(zip(self.routes, ratios)) if ratio > 0 or str(k) in fusions}
         generator = None
         if seed is not None and starts:
             generator = torch.Generator(device=x.device).manual_seed(int(seed))
-        route, x_full, keep_idx, after_route = None, None, None, False
+        route, fusion, x_full, keep_idx, after_route = None, None, None, None, False
         for i, block in enumerate(blocks):
             if i in starts:
-                route, ratio = starts[i]
-                x_full = x
-                keep_idx = select_kept_tokens(x, ratio, generator, route.selection, route.importance_mix, force_keep)
-                x = start_route(x, keep_idx)
-            if after_route and self.fp32_after_route and _autocast_on(x.device.type):
+                route, ratio, fusion = starts[i]
+                x_full, keep_idx = x, None
+                if ratio > 0:
+                    keep_idx = select_kept_tokens(x, ratio, generator, route.selection, route.importance_mix,
+                                                  force_keep)
+                    x = start_route(x, keep_idx)
+            skip = drop_deep_path and fusion is not None  # the deep path's output is all mask tokens
+            if skip:
+                pass
+            elif after_route and self.fp32_after_route and _autocast_on(x.device.type):
                 with torch.autocast(device_type=x.device.type, enabled=False):
                     x = run_block(block, x.float(), c.float())
+                after_route = False
             else:
                 x = run_block(block, x, c)
-            after_route = False
+                after_route = False
             if route is not None and i == route.end_layer_idx:
-                x = end_route(x, x_full, keep_idx)
-                route, x_full, keep_idx, after_route = None, None, None, True
+                if fusion is not None:
+                    x = fusion(None if skip else x, x_full, keep_idx, drop_all=skip)
+                else:
+                    x = end_route(x, x_full, keep_idx)
+                after_route = keep_idx is not None
+                route, fusion, x_full, keep_idx = None, None, None, None
         return x

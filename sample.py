@@ -5,6 +5,7 @@
     python sample.py ckpt=run cfg_scale=1.5 guidance_interval=[0.3,5] sampler.num_steps=32
     python sample.py ckpt=run sampler=ablation sampler.solver=euler sampler.discretization=vp
     python sample.py ckpt=run routing_guidance.scale=1.5 routing_guidance.weak_ratio=0.7
+    python sample.py ckpt=run path_drop_guidance.scale=1.5   # a model with SPRINT routes (fusion: sprint)
 
 Options are Hydra overrides of configs/sample.yaml (`python sample.py --help` lists them with defaults).
 The output holds `arr_0` uint8 [N, H, W, 3] and `arr_1` int64 labels in seed order; every seed has its
@@ -139,7 +140,8 @@ def run(cfg) -> None:
         print(f"sampling {len(seeds)} images from {path} (step {state['step']}, EMA) with {accelerator.num_processes} "
               f"process(es) on {accelerator.device}: sampler {sampler_kwargs['name']}, {sampler_kwargs['num_steps']} "
               f"steps, cfg_scale {cfg.cfg_scale}, routing guidance "
-              f"{'off' if cfg.routing_guidance.scale is None else cfg.routing_guidance.scale}", flush=True)
+              f"{'off' if cfg.routing_guidance.scale is None else cfg.routing_guidance.scale}, path-drop guidance "
+              f"{'off' if cfg.path_drop_guidance.scale is None else cfg.path_drop_guidance.scale}", flush=True)
     step = state["step"]
     del state
     images, labels = generation.generate(guided, seeds, sampler_kwargs=sampler_kwargs, decoder=decoder,

@@ -6,6 +6,8 @@
   forward, and an optional guidance interval (Kynkaanniemi et al. 2024).
 * `RoutingGuidance`: TREAD "sparse guidance" - the same model with routing forced at two selection ratios,
   D = D_weak + scale (D_strong - D_weak).
+* `PathDropGuidance`: SPRINT's path-drop guidance - D = D_weak + scale (D - D_weak), D_weak from the same
+  model with its sparse deep path dropped (``drop_deep_path=True``: mask tokens, the deep blocks skipped).
 * `NFECounter`: counts calls and batch rows reaching a net (put it innermost for true backbone costs).
 
 Evaluation counters (every wrapper, reset with ``reset_counters()``):
@@ -23,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["ClassifierFreeGuidance", "RoutingGuidance", "NFECounter", "null_labels"]
+__all__ = ["ClassifierFreeGuidance", "RoutingGuidance", "PathDropGuidance", "NFECounter", "null_labels"]
 
 
 class _NetWrapper:
@@ -259,3 +261,41 @@ class RoutingGuidance(_NetWrapper):
         d_weak = run(self.weak_ratio)
         d_strong = run(self.strong_ratio)
         return d_weak + self.scale * (d_strong - d_weak)
+
+
+class PathDropGuidance(_NetWrapper):
+    """SPRINT's path-drop guidance (PDG): D = D_weak + scale (D - D_weak).
+
+    D is the plain call; D_weak the same call with ``drop_deep_path=True``: every SPRINT route (fusion:
+    sprint) skips its deep blocks and feeds mask tokens to its fusion, as the model learnt from
+    `path_drop_prob` in training. Both use the caller's labels; the weak pass costs less than a full
+    forward (the deep blocks do not run). `interval=(lo, hi)`: guide only at noise levels inside it, one
+    plain call elsewhere (per row for a [B] sigma: rows outside take D). scale == 1: one plain call;
+    scale == 0: one weak call. Nests with the other wrappers (both receive the keyword arguments).
+    """
+
+    def __init__(self, net, scale: float, interval: Optional[Sequence[float]] = None):
+        super().__init__(net)
+        self.scale = float(scale)
+        self.interval = None if interval is None else tuple(float(v) for v in interval)
+
+    def forward(self, x, sigma, class_labels=None, **kwargs):
+        batch = x.shape[0]
+        kwargs.pop("drop_deep_path", None)  # this wrapper decides
+        if self.scale == 1.0:
+            return self._call_net(x, sigma, class_labels, batch, **kwargs)
+        inside = None
+        if self.interval is not None:
+            lo, hi = self.interval
+            if not (torch.is_tensor(sigma) and sigma.numel() > 1):
+                if not lo <= float(sigma) <= hi:
+                    return self._call_net(x, sigma, class_labels, batch, **kwargs)
+            else:
+                s = _sigma_rows(sigma, batch, x.device)
+                inside = ((s >= lo) & (s <= hi)).reshape(-1, *([1] * (x.ndim - 1)))
+        d_weak = self._call_net(x, sigma, class_labels, batch, drop_deep_path=True, **kwargs)
+        if self.scale == 0.0:
+            return d_weak
+        d = self._call_net(x, sigma, class_labels, batch, **kwargs)
+        guided = d_weak + self.scale * (d - d_weak)
+        return guided if inside is None else torch.where(inside, guided.to(d.dtype), d)

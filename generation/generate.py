@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from edm.guidance import ClassifierFreeGuidance, RoutingGuidance
+from edm.guidance import ClassifierFreeGuidance, PathDropGuidance, RoutingGuidance
 from edm.sampler import SAMPLERS as EDM_SAMPLERS
 from edm.sampler import StackedRandomGenerator, bind_sampler
 from rectified_flow import flow_sampler
@@ -45,6 +45,18 @@ def _backbone(net):
     return net, getattr(net, "model", net)
 
 
+ROUTING_GUIDANCE_KEYS = ("scale", "weak_ratio", "strong_ratio")
+PATH_DROP_GUIDANCE_KEYS = ("scale",)
+
+
+def _refuse_unknown(options: Mapping, accepted, what: str):
+    """A misspelt option would otherwise be ignored. (The top level is not checked: sample.py passes its
+    whole config, which the schema has already checked.)"""
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise UserError(f"unknown {what}(s) {unknown}; accepted: {', '.join(accepted)}")
+
+
 def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob: Optional[float] = None):
     """Wrap `net` with the guidance `options` asks for (a dict or config node; absent keys = off):
 
@@ -52,6 +64,9 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
       guidance_interval (None) [sigma_lo, sigma_hi]: apply CFG only at noise levels inside it
       routing_guidance         {scale: None = off, weak_ratio: 0.7, strong_ratio: 0.3}: TREAD routing guidance,
                                D = D_weak + scale (D_strong - D_weak) with routing forced at the two ratios
+      path_drop_guidance       {scale: None = off}: SPRINT's path-drop guidance, D = D_weak + scale (D - D_weak)
+                               with the deep path of every sprint route dropped in the weak pass; it follows
+                               guidance_interval too
 
     `class_drop_prob` (the run's train.general.class_drop_prob): 0 with cfg_scale != 1 is refused, since a
     model trained without label dropout has no unconditional mode. Routing guidance needs TREAD routes.
@@ -64,6 +79,7 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
         raise UserError(f"cfg_scale must be a number, got {get('cfg_scale')!r}") from None
     interval = get("guidance_interval")
     routing = get("routing_guidance") or {}
+    _refuse_unknown(routing, ROUTING_GUIDANCE_KEYS, "routing_guidance key")
     routing_scale = routing.get("scale")
     if interval is not None:
         try:
@@ -92,6 +108,17 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
                                   strong_ratio=float(routing.get("strong_ratio", 0.3)), scale=float(routing_scale))
         except (TypeError, ValueError) as e:
             raise UserError(f"routing_guidance: {e}") from None
+    path_drop = get("path_drop_guidance") or {}
+    _refuse_unknown(path_drop, PATH_DROP_GUIDANCE_KEYS, "path_drop_guidance key")
+    if path_drop.get("scale") is not None:
+        _, backbone = _backbone(net)
+        if not len(getattr(backbone, "fusions", ())):
+            raise UserError("path-drop guidance needs a model with SPRINT routes (model.params.routes[i].fusion="
+                            "sprint); this checkpoint has none - set path_drop_guidance.scale=null")
+        try:
+            net = PathDropGuidance(net, float(path_drop["scale"]), interval=interval)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"path_drop_guidance.scale must be a number, got {path_drop['scale']!r} ({e})") from None
     return net
 
 

@@ -4,6 +4,8 @@ import torch
 
 from edm.guidance import ClassifierFreeGuidance, NFECounter, RoutingGuidance, null_labels
 from edm.sampler import StackedRandomGenerator, edm_sampler
+from generation import build_guided_net
+from tread_utils.errors import UserError
 
 NUM_CLASSES = 10
 
@@ -250,3 +252,8 @@ def test_with_real_backbone():
         gen = StackedRandomGenerator("cpu", [0, 1, 2])
         sample = edm_sampler(guided, gen.randn([3, 4, 8, 8]), y, num_steps=4, randn_like=gen.randn_like)
         assert sample.shape == (3, 4, 8, 8) and torch.isfinite(sample).all()
+
+
+def test_unknown_routing_guidance_key_is_refused():
+    with pytest.raises(UserError, match=r"unknown routing_guidance key\(s\) \['weak_ration'\]; accepted: scale"):
+        build_guided_net(object(), {"routing_guidance": {"scale": 2.0, "weak_ration": 0.5}})

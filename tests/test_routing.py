@@ -214,3 +214,8 @@ def test_route_selection_validation():
         resolve_routes([dict(route(2, 8), selection="norm")], 12)
     with pytest.raises(RouteError, match="importance_mix"):
         resolve_routes([dict(route(2, 8), selection="importance", importance_mix=1.5)], 12)
+
+
+def test_unknown_route_key_is_refused_listing_the_accepted_ones():
+    with pytest.raises(RouteError, match=r"unknown key\(s\) \['importance_mx'\]; accepted: start_layer_idx"):
+        resolve_routes([dict(route(2, 8), selection="importance", importance_mx=0.5)], 12)

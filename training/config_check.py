@@ -126,6 +126,8 @@ RANGES = [
      "e.g. train.mixed_precision=bf16"),
     ("train.cpu_threads", lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
      "auto or an integer >= 1", "e.g. train.cpu_threads=auto"),
+    ("train.routing_off_after", lambda v: v is None or v >= 0, "null (never) or a step >= 0",
+     "e.g. train.routing_off_after=350000"),
     ("train.dist_timeout_minutes", at_least(1), "at least 1 minute", "e.g. train.dist_timeout_minutes=60"),
     ("train.general.batch_size", at_least(1), "at least 1", "e.g. train.general.batch_size=256"),
     ("train.general.grad_accum_steps", at_least(1), "at least 1", "e.g. train.general.grad_accum_steps=1"),

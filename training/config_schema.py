@@ -35,12 +35,29 @@ MODEL_INITS = ("official", "adaln_zero")
 
 
 @dataclass
+class RouteScheduleSchema:
+    kind: str = key("constant (selection_ratio throughout), linear or cosine", "constant")
+    start_ratio: Optional[float] = key("the ratio up to start_step, in [0, 1) (null: selection_ratio)", None)
+    end_ratio: Optional[float] = key("the ratio from end_step on, in [0, 1) (linear, cosine: required)", None)
+    start_step: int = key("the ratio starts moving after this training step, >= 0", 0)
+    end_step: Optional[int] = key("... and reaches end_ratio here, > start_step (linear, cosine: required)", None)
+    levels: Optional[int] = key("round the ratio to this many values from start to end, >= 2 (null: none)", None)
+
+
+@dataclass
 class RouteSchema:
     start_layer_idx: int = key("first routed block (negative: counted from the last block)")
     end_layer_idx: int = key("last routed block, inclusive (negative: counted from the last block)")
     selection_ratio: float = key("fraction of tokens that skip the route, in [0, 1)")
     selection: str = key("random (the paper) or importance (highest-L1-norm tokens kept)", "random")
     importance_mix: float = key("importance selection: score weight against noise, in [0, 1]", 0.0)
+    schedule: RouteScheduleSchema = key("the ratio as a function of the training step",
+                                        factory=RouteScheduleSchema)
+    fusion: str = key("none (TREAD: skipped tokens rejoin unchanged) or sprint (SPRINT's sparse deep path)", "none")
+    path_drop_prob: float = key("sprint: training samples whose deep output is all mask tokens, in [0, 1)", 0.1)
+    mask_token_trainable: bool = key("sprint: train the mask token (SPRINT: frozen)", False)
+    mask_token_init: str = key("sprint: mask token init, normal (std 0.02, SPRINT's) or zeros", "normal")
+    fusion_init: str = key("sprint: 2C -> C projection init, xavier (SPRINT's) or deep ([I | 0])", "xavier")
 
 
 @dataclass
@@ -181,6 +198,7 @@ class TrainSchema:
     tf32: bool = key("TF32 matmuls/convolutions on CUDA")
     cpu_threads: Any = key("CPU runs: torch threads per process, >= 1, or auto (cores / local processes)")
     dist_timeout_minutes: int = key("timeout of collective operations between processes, > 0", 60)
+    routing_off_after: Optional[int] = key("routing off from this training step on, >= 0 (null: never)", None)
     general: GeneralSchema = key("batch and data", factory=GeneralSchema)
     optimizer: OptimizerSchema = key("AdamW", factory=OptimizerSchema)
     ema: EMASchema = key("EMA", factory=EMASchema)
@@ -212,6 +230,11 @@ class RoutingGuidanceSchema:
 
 
 @dataclass
+class PathDropGuidanceSchema:
+    scale: Optional[float] = key("SPRINT path-drop guidance scale (null: off)", None)
+
+
+@dataclass
 class SampleSchema:
     """configs/sample.yaml (what sample.py receives)."""
     ckpt: str = key("checkpoint file or run directory")
@@ -230,3 +253,5 @@ class SampleSchema:
     cfg_scale: float = key("classifier-free guidance scale (1: unguided)")
     guidance_interval: Optional[List[float]] = key("[sigma_lo, sigma_hi]: CFG only inside (null: everywhere)")
     routing_guidance: RoutingGuidanceSchema = key("TREAD routing guidance", factory=RoutingGuidanceSchema)
+    path_drop_guidance: PathDropGuidanceSchema = key("SPRINT path-drop guidance (sprint routes)",
+                                                     factory=PathDropGuidanceSchema)

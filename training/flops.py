@@ -9,6 +9,8 @@ adds up the matmuls of every block from the token count it sees. The report also
 the speed-up routing can bring and an estimate of the activation memory it saves. FLOPs, not MACs:
 the paper's "Gflops" are MACs (a training step costs about 3 x 2 x those).
 """
+from typing import Optional
+
 import hydra
 import torch
 from omegaconf import OmegaConf
@@ -19,13 +21,17 @@ from routing_module import num_kept, resolve_routes
 from tread_utils.errors import UserError, exit_with
 
 
-def training_step_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True) -> int:
-    """FLOPs of forward + backward for one batch, measured; `routing=False` counts the model unrouted."""
+def training_step_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True,
+                        step: Optional[int] = None) -> int:
+    """FLOPs of forward + backward for one batch, measured; `routing=False` counts the model unrouted;
+    `step`: the training step a ratio schedule is at (None: its start)."""
     params = dict(params)
     with torch.device("meta"):
         model = get_model(backbone_type, params).to("meta")
     model.train()
     model.router.enable_routing = routing
+    if step is not None:
+        model.router.set_step(step)
     C, H = params["in_channels"], params["input_size"]
     x = torch.randn(batch_size, C, H, H, device="meta")
     t = torch.randn(batch_size, device="meta")
@@ -35,11 +41,11 @@ def training_step_flops(backbone_type: str, params: dict, batch_size: int, routi
     return counter.get_total_flops()
 
 
-def tokens_per_block(depth: int, num_tokens: int, routes, routing: bool = True) -> list:
+def tokens_per_block(depth: int, num_tokens: int, routes, routing: bool = True, step: Optional[int] = None) -> list:
     counts = [num_tokens] * depth
     for r in (routes if routing else []):
         for i in range(r.start_layer_idx, r.end_layer_idx + 1):
-            counts[i] = num_kept(num_tokens, r.selection_ratio)
+            counts[i] = num_kept(num_tokens, r.ratio_at(step))
     return counts
 
 
@@ -83,6 +89,7 @@ def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, r
     per_sample = sum(block_forward_flops(a, n) for n in counts)
     # the SSM's convolution kernels (forward and backward scan) are built once per batch, not per sample
     per_batch = sum(2 * 2 * D * S * n for n in counts) if a["block_type"] == "ssm" else 0
+    per_sample += sum(2 * N * 2 * D * D for r in routes if r.fusion == "sprint")  # SPRINT's 2C -> C projection
     per_sample += 2 * 256 * D + 2 * D * D                 # timestep MLP
     per_sample += 2 * D * 2 * D + 2 * N * D * p * p * C   # final adaLN and linear
     patch_embed = 2 * N * C * p * p * D
@@ -110,7 +117,18 @@ def routing_flop_report(backbone_type: str, params: dict, batch_size: int) -> di
             "analytic_flops_routed": analytic_training_flops(backbone_type, params, batch_size, routing=True),
             "activation_memory_fraction": activation_memory_fraction(backbone_type, params),
             "tokens_per_block": tokens_per_block(a["depth"], a["num_tokens"],
-                                                 resolve_routes(params.get("routes"), a["depth"]))}
+                                                 resolve_routes(params.get("routes"), a["depth"])),
+            **schedule_end_flops(backbone_type, params, batch_size)}
+
+
+def schedule_end_flops(backbone_type: str, params: dict, batch_size: int) -> dict:
+    """With a ratio schedule, the routed step's FLOPs at its end (the report's other counts are at its start)."""
+    routes = resolve_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
+    ends = [r.schedule.end_step for r in routes if r.schedule.kind != "constant"]
+    if not ends:
+        return {}
+    return {"schedule_end_step": max(ends),
+            "flops_per_step_routed_end": training_step_flops(backbone_type, params, batch_size, step=max(ends))}
 
 
 def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
@@ -121,7 +139,10 @@ def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
             f"of dense; tokens per block {r['tokens_per_block']}" + (
                 f"\n  block(s) {r['fp32_blocks']} after the route run in float32 under mixed precision (TF32 "
                 f"matmuls on CUDA unless train.tf32=false): {r['fp32_flop_fraction']:.1%} of the routed step's "
-                f"FLOPs" if r["fp32_blocks"] else ""))
+                f"FLOPs" if r["fp32_blocks"] else "") + (
+                f"\n  ratio schedule: routed {r['flops_per_step_routed'] / 1e9:.2f} G per step at its start, "
+                f"{r['flops_per_step_routed_end'] / 1e9:.2f} G from step {r['schedule_end_step']} on"
+                if "schedule_end_step" in r else ""))
 
 
 def main():

@@ -165,6 +165,7 @@ def setup(cfg: DictConfig) -> Run:
         if rng is not None and is_main:
             print(f"note: checkpoint was written by {len(rng)} processes, now {world}: RNG streams are re-seeded")
 
+    model.router.off_after_step = cfg.train.get("routing_off_after")
     run = Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, sampler, iter(loader), step, accum)
     if is_main:
         run.logger = open_run_log(run, resumed_from=found[-1][1] if state is not None else None)
@@ -272,10 +273,12 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
     bar = Progress(t.max_steps, step, accelerator.is_main_process)
     try:
         while step < t.max_steps:
-            # Update weights.
+            # Update weights (the learning rate and a scheduled routing ratio are functions of the step alone:
+            # resume is exact).
             lr = learning_rate(o, step)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
+            run.model.router.set_step(step)
             loss = accumulate_gradients(run, num_classes, drop_prob)
             if o.grad_clip:
                 accelerator.clip_grad_norm_(run.model.parameters(), o.grad_clip)
