@@ -33,8 +33,10 @@ def test_models_build_from_hydra_configs(model_name, routed):
     assert paper.model.backbone_type == "DiT-B/2" and paper.train.general.batch_size == 256
     assert paper.train.optimizer.lr == 1e-4 and paper.train.ema.decay == 0.9999
     if routed:
-        assert OmegaConf.to_container(paper.model.params.routes) == [
-            dict(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=8, selection="random", importance_mix=0.0)]
+        route, = OmegaConf.to_container(paper.model.params.routes)
+        assert {k: route[k] for k in ("selection_ratio", "start_layer_idx", "end_layer_idx", "selection", "fusion")} \
+            == dict(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=8, selection="random", fusion="none")
+        assert route["schedule"]["kind"] == "constant"  # the paper's: a fixed ratio
 
 
 def test_embedded_training_lowers_the_loss(tmp_path):

@@ -67,7 +67,7 @@ def test_run_logging_to_a_file_writes_plain_lines_metrics_and_a_summary(tmp_path
     carriage returns), the evaluations, class_acc beside fid and nn_ratio, and a closing summary line."""
     log = tmp_path / "train.log"
     args = [f"results_dir={tmp_path}", "run_name=log", *tiny_overrides("tread"), "train.max_steps=6",
-            "train.logging.log_interval=2", "train.eval.eval_interval=3", "train.eval.fid_num_samples=32",
+            "train.logging.log_interval=2", "train.eval.eval_interval=3", "train.eval.fid_num_samples=128",
             "train.eval.sampler.num_steps=2"]
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, *command("train.py"), *args], cwd=REPO, env=subprocess_env(),
