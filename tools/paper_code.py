@@ -24,7 +24,7 @@ from tread_utils.errors import UserError
 PAPER_REPO = "https://github.com/CompVis/tread"
 
 
-def _exec_module(name, path):
+def exec_module(name, path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -43,11 +43,11 @@ def load_paper_dit(code_dir):
     for name in ("dit.py", "routing_module.py"):
         if not (code_dir / name).is_file():
             raise UserError(f"--paper-code {code_dir}: no {name} there; pass the folder of a clone of {PAPER_REPO}")
-    routing = _exec_module("tread_paper_routing_module", code_dir / "routing_module.py")
+    routing = exec_module("tread_paper_routing_module", code_dir / "routing_module.py")
     ours = sys.modules.get("routing_module")
     sys.modules["routing_module"] = routing
     try:
-        dit = _exec_module("tread_paper_dit", code_dir / "dit.py")
+        dit = exec_module("tread_paper_dit", code_dir / "dit.py")
     finally:
         if ours is None:
             sys.modules.pop("routing_module", None)

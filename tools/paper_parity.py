@@ -28,7 +28,7 @@ import torch
 import routing_module
 from dit import get_model
 from edm import EDMLoss, EDMPrecond, edm_sampler
-from tools.paper_code import _exec_module, build_paper_model, eager_context, load_our_weights, load_paper_dit
+from tools.paper_code import exec_module, build_paper_model, eager_context, load_our_weights, load_paper_dit
 from training.optimizer import build_adamw
 from tread_utils.errors import UserError, report_user_errors
 
@@ -65,8 +65,8 @@ def load_paper_edm(code_dir):
         if not (code_dir / name).is_file():
             raise UserError(f"--paper-code {code_dir}: no {name} there; pass a clone of CompVis/tread")
     with _their_imports(code_dir):
-        edm = _exec_module("tread_paper_edm", code_dir / "edm.py")
-        helper = _exec_module("tread_paper_train_helper", code_dir / "utils" / "train_helper.py")
+        edm = exec_module("tread_paper_edm", code_dir / "edm.py")
+        helper = exec_module("tread_paper_train_helper", code_dir / "utils" / "train_helper.py")
     return edm, helper
 
 
