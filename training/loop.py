@@ -175,6 +175,13 @@ def setup(cfg: DictConfig) -> Run:
     return run
 
 
+def describe_routes(routes) -> str:
+    """Routes in one short line, e.g. `2->8 at 0.5`, `2->8 at 0.75 (sprint)` (a Route's repr runs long)."""
+    return ", ".join(f"{r.start_layer_idx}->{r.end_layer_idx} at {r.selection_ratio:g}"
+                     + (f" ({r.fusion})" if getattr(r, "fusion", "none") != "none" else "")
+                     + (f" ({r.schedule.kind} schedule)" if r.schedule.kind != "constant" else "") for r in routes)
+
+
 def open_run_log(run: Run, resumed_from) -> MetricsLogger:
     """Main process: the resolved config, metrics.jsonl (cut back to the resumed step), a start-up report."""
     cfg, world = run.cfg, run.accelerator.num_processes
@@ -186,7 +193,7 @@ def open_run_log(run: Run, resumed_from) -> MetricsLogger:
     router = run.model.router
     n_params = sum(p.numel() for p in run.model.parameters())
     print(f"{cfg.model.backbone_type} ({cfg.model.name}): {n_params / 1e6:.2f}M parameters, routes "
-          f"{router.routes if router.enable_routing else 'off'}, {world} process(es) on "
+          f"{describe_routes(router.routes) if router.enable_routing else 'off'}, {world} process(es) on "
           f"{run.accelerator.device}, global batch {cfg.train.general.batch_size}, run dir {run.run_dir}")
     print(f"resuming from {resumed_from} at step {run.step}" if resumed_from is not None else "starting at step 0")
     if router.routes:
