@@ -2,10 +2,10 @@
 
     python sample.py ckpt=results/tread-digits num_samples=500 out=samples.npz grid=grid.png
     accelerate launch sample.py ckpt=results/run/checkpoints/ckpt_00400000.pt seeds=0-49999 out=fid50k.npz
-    python sample.py ckpt=run cfg_scale=1.5 guidance_interval=[0.3,5] sampler.num_steps=32
-    python sample.py ckpt=run sampler=ablation sampler.solver=euler sampler.discretization=vp
-    python sample.py ckpt=run routing_guidance.scale=1.5 routing_guidance.weak_ratio=0.7
-    python sample.py ckpt=run path_drop_guidance.scale=1.5   # a model with SPRINT routes (fusion: sprint)
+    python sample.py ckpt=run num_samples=500 cfg_scale=1.5 guidance_interval=[0.3,5] sampler.num_steps=32
+    python sample.py ckpt=run num_samples=500 sampler=ablation sampler.solver=euler sampler.discretization=vp
+    python sample.py ckpt=run num_samples=500 routing_guidance.scale=1.5 routing_guidance.weak_ratio=0.7
+    python sample.py ckpt=run num_samples=500 path_drop_guidance.scale=1.5   # a model with SPRINT routes (fusion: sprint)
 
 Options are Hydra overrides of configs/sample.yaml (`python sample.py --help` lists them with defaults).
 The output holds `arr_0` uint8 [N, H, W, 3] and `arr_1` int64 labels in seed order; every seed has its

@@ -1,7 +1,8 @@
 """Train a class-conditional DiT with or without TREAD routing, with EDM (or rectified flow).
 
     accelerate launch train.py model=tread            # embedded digits, minutes on a CPU
-    accelerate launch train.py model=dit dataset=imagenet256 dataset.train_path=/data/latents
+    accelerate launch train.py model=dit dataset=imagenet256 dataset.train_path=/data/latents \
+        train.eval.ref_batch=/data/VIRTUAL_imagenet256_labeled.npz
 
 Restarting with the same run_name resumes from the newest checkpoint (model, EMA, optimizer, step,
 RNG states; the data position is the step). SIGTERM/SIGINT save a checkpoint before exiting.
