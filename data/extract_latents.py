@@ -427,7 +427,22 @@ def convert_maskdit(src, out, *, pairs=True, shard_size=None, max_images=None):
 # ----------------------------------------------------------------------------------------------------
 # Command line
 
-def _extract_main(argv):
+CONVERT = "convert-maskdit"
+
+
+def build_parser(command: str = "extract") -> ArgumentParser:
+    """The options of `extract` (the default, no command word) or of `convert-maskdit`."""
+    if command == CONVERT:
+        p = ArgumentParser(prog=f"python -m data.extract_latents {CONVERT}",
+                           description="Convert MaskDiT's released latents (LMDB folder with data.mdb, or "
+                                       ".npz/.npy arrays of 8-channel moments) into tar shards.")
+        p.add_argument("source", help="MaskDiT LMDB folder (e.g. imagenet_256_latent_lmdb/train) or array folder")
+        p.add_argument("out", help="output folder")
+        p.add_argument("--no-flip-pairs", action="store_true",
+                       help="LMDB only: do not pair entry i with its x-flip i + length/2; store every entry alone")
+        p.add_argument("--shard-size", type=positive_int, default=None, help="samples per shard (default: ~1 GB shards)")
+        p.add_argument("--max-images", type=positive_int, default=None, help="convert only the first this many")
+        return p
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="ImageNet-style folder (one sub-folder per class) or a `path label` list file")
     p.add_argument("out", help="output folder for the tar shards and manifest.json")
@@ -438,7 +453,18 @@ def _extract_main(argv):
     p.add_argument("--num-workers", type=int, default=4, help="image decoding workers per process")
     p.add_argument("--max-images", type=positive_int, default=None, help="encode only this many (a fixed spread-out subset)")
     p.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    """`convert-maskdit ...`, or without that word the extraction; the command is `args.command`."""
+    command = CONVERT if argv[:1] == [CONVERT] else "extract"
+    args = build_parser(command).parse_args(argv[1:] if command == CONVERT else argv)
+    args.command = command
+    return args
+
+
+def _extract_main(args):
     # ranks may finish far apart (a resumed run leaves some ranks little to do): a barrier timeout of a day
     state = start_processes(24 * 60, cpu=args.cpu)
     if not os.path.exists(args.source):
@@ -455,28 +481,15 @@ def _extract_main(argv):
         _summary(out, write_manifest(out))
 
 
-def _convert_main(argv):
-    p = ArgumentParser(prog="python -m data.extract_latents convert-maskdit",
-                                description="Convert MaskDiT's released latents (LMDB folder with data.mdb, or "
-                                            ".npz/.npy arrays of 8-channel moments) into tar shards.")
-    p.add_argument("source", help="MaskDiT LMDB folder (e.g. imagenet_256_latent_lmdb/train) or array folder")
-    p.add_argument("out", help="output folder")
-    p.add_argument("--no-flip-pairs", action="store_true",
-                   help="LMDB only: do not pair entry i with its x-flip i + length/2; store every entry alone")
-    p.add_argument("--shard-size", type=positive_int, default=None, help="samples per shard (default: ~1 GB shards)")
-    p.add_argument("--max-images", type=positive_int, default=None, help="convert only the first this many")
-    args = p.parse_args(argv)
+def _convert_main(args):
     _summary(args.out, convert_maskdit(args.source, args.out, pairs=not args.no_flip_pairs,
                                        shard_size=args.shard_size, max_images=args.max_images))
 
 
 @report_user_errors
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "convert-maskdit":
-        _convert_main(argv[1:])
-    else:
-        _extract_main(argv)
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    (_convert_main if args.command == CONVERT else _extract_main)(args)
 
 
 if __name__ == "__main__":

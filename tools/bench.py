@@ -323,7 +323,7 @@ def loader_table(rows):
                                                                 f"{r['samples_per_s']:.0f}", f"{r['first_batch_s']:.2f}"))
 
 
-def parse_args():
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backbones", nargs="+", default=["DiT-S/2", "DiT-B/2"])
     parser.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[8])
@@ -356,7 +356,12 @@ def parse_args():
     parser.add_argument("--vae", default="random",
                         help="fid: 'random' (the SD-VAE architecture, random weights) or a diffusers repo id / folder")
     add_loader_args(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv=None):
+    """The options, checked (backbones, suite sizes) before anything is timed."""
+    args = build_parser().parse_args(argv)
     unknown = [b for b in args.backbones if b not in DiT_models]
     if unknown:
         raise UserError(f"unknown backbone(s) {', '.join(unknown)}; choose from {', '.join(DiT_models)}")

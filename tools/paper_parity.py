@@ -175,13 +175,17 @@ def failures(rows) -> list:
             for r in rows for key, tol in TOLERANCE.items() if key in r and not r[key] <= tol]
 
 
-@report_user_errors
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--paper-code", required=True, help="a clone of https://github.com/CompVis/tread")
     p.add_argument("--backbones", nargs="+", default=["DiT-S/2"])
     p.add_argument("--out", help="write the rows as JSON here")
-    args = p.parse_args(argv)
+    return p
+
+
+@report_user_errors
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     rows = run_all(args.paper_code, args.backbones)
     for r in rows:
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))

@@ -348,12 +348,16 @@ def write_report(runs, out, sources, replaced):
     return problems
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", help="run directories or folders of runs (searched recursively)")
     parser.add_argument("--out", default="report", help="output folder for report.md, report.csv and plots")
     parser.error = lambda message: exit_with(f"{message} (usage: python -m tools.report RUN_OR_SWEEP_DIR [...] --out DIR)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     roots = [Path(p) for p in args.paths]
     missing = [str(p) for p in roots if not p.is_dir()]
     if missing:

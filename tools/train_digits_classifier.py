@@ -79,15 +79,19 @@ def train(epochs: int = 40, batch_size: int = 64, lr: float = 2e-3, seed: int = 
     return model.eval()
 
 
-@report_user_errors
-def main(argv=None):
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(description="Train the digits feature network for toy-scale FID.")
     p.add_argument("--out", default=str(WEIGHTS_PATH), help="weights file to write")
     p.add_argument("--epochs", type=positive_int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (1 is fastest for this tiny network, and robust to a busy machine)")
-    args = p.parse_args(argv)
+    return p
+
+
+@report_user_errors
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.epochs < 1:
         raise UserError(f"--epochs must be >= 1, got {args.epochs}")
     if args.threads > 0:

@@ -5,6 +5,7 @@ the value, what is allowed and a fix. Only the last step (backbone and routes) i
 a bad value elsewhere is refused before torch is loaded.
 """
 import dataclasses
+import functools
 import os
 import typing
 from pathlib import Path
@@ -83,12 +84,18 @@ def _walk_lists(cls, data, path: str, root):
                 conform(element, item, f"{path}{name}.{i}.", root)
 
 
+@functools.lru_cache(maxsize=None)
+def _structured(cls):
+    """The schema as a config, built once (half the cost of a check); merge copies it, never changes it."""
+    return OmegaConf.structured(cls)
+
+
 def conform(cls, data: dict, path: str = "", root=None):
     """`data` (plain, resolved) merged into the schema `cls`: unknown keys and wrong types are refused."""
     root = root or cls
     _walk_lists(cls, data, path, root)
     try:
-        return OmegaConf.merge(OmegaConf.structured(cls), data)
+        return OmegaConf.merge(_structured(cls), data)
     except ConfigKeyError as e:
         raise unknown_key(root, path + str(e.full_key)) from None
     except OmegaConfBaseException as e:
