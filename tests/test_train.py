@@ -1,12 +1,14 @@
 """train.py end to end: configs, loss falls, exact resume after kill -9, signals, 2 processes, bad input."""
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -139,6 +141,38 @@ def test_evaluation_does_not_change_training(tmp_path, uninterrupted, model):
     run_script("train.py", *resume_args(model, tmp_path, "no_eval", "train.eval.eval_interval=0"), check=True)
     assert not records(tmp_path / "no_eval", "fid") and records(uninterrupted(model), "fid")
     assert_bit_identical(final_state(uninterrupted(model)), final_state(tmp_path / "no_eval"))
+
+
+def test_evaluation_puts_back_every_random_stream_it_draws_from(tmp_path, monkeypatch):
+    """The runs above show evaluation leaves training unchanged, but today's evaluation draws nothing from the
+    global streams (one generator per seed). Here it does (torch, numpy and Python draws before each
+    sampling): the evaluator's set-up and call still leave all three where they were."""
+    from accelerate import Accelerator
+
+    from training import in_training_eval
+    from training.checkpoint import capture_rng_state
+    from training.diffuser import build_denoiser
+
+    sample = in_training_eval.generate
+
+    def generate_drawing(*args, **kwargs):
+        torch.rand(3), np.random.rand(3), random.random()
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(in_training_eval, "generate", generate_drawing)
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[*tiny_overrides("dit"), "train.eval.fid_num_samples=128",
+                                           "train.eval.batch_size=128", "train.eval.sampler.num_steps=2"])
+    torch.manual_seed(0)
+    model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    net = build_denoiser(cfg.diffuser, model).eval()
+    np.random.seed(0), random.seed(0)
+    before = capture_rng_state()
+    evaluator = in_training_eval.TrainingEvaluator(cfg, Accelerator(cpu=True), tmp_path)
+    assert "fid" in evaluator(net, 1)
+    after = capture_rng_state()
+    assert torch.equal(before["torch"], after["torch"]) and before["python"] == after["python"]
+    assert torch.equal(before["numpy"]["keys"], after["numpy"]["keys"]) and before["numpy"]["pos"] == after["numpy"]["pos"]
 
 
 def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path):
