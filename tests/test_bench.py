@@ -15,6 +15,7 @@ import torch
 from conftest import assert_one_line_error, run_script
 from dit import get_model  # imported before the stand-in, as in bench.py (the stand-in builds on it)
 from tread_utils.errors import UserError
+from tools.bench import paper_output_difference
 from tools.paper_code import build_paper_model, load_our_weights, load_paper_dit
 
 ROUTING = """
@@ -45,13 +46,25 @@ DIT = """
 """
 
 
-@pytest.fixture
-def paper_repo(tmp_path):
-    folder = tmp_path / "tread"
+# A stand-in that differs from ours the way a DiT port easily does: the sin-cos position embedding with rows and
+# columns swapped (pos_embed is the one tensor load_our_weights does not copy).
+PERTURBED_DIT = DIT.replace("self.paper_routes, self.paper_routing = routes, enable_routing", """\
+self.paper_routes, self.paper_routing = routes, enable_routing
+            n, d = self.pos_embed.shape[1:]
+            g = int(n ** 0.5)
+            self.pos_embed = self.pos_embed.reshape(1, g, g, d).transpose(1, 2).reshape(1, n, d)""")
+
+
+def write_paper_repo(folder, dit_source=DIT):
     folder.mkdir()
     (folder / "routing_module.py").write_text(textwrap.dedent(ROUTING))
-    (folder / "dit.py").write_text(textwrap.dedent(DIT))
+    (folder / "dit.py").write_text(textwrap.dedent(dit_source))
     return folder
+
+
+@pytest.fixture
+def paper_repo(tmp_path):
+    return write_paper_repo(tmp_path / "tread")
 
 
 def test_paper_code_loads_beside_ours_and_accepts_mask_ratio(paper_repo):
@@ -87,9 +100,20 @@ def test_bench_times_ours_and_the_paper_code_in_one_run(paper_repo, tmp_path):
         assert r["step_s"] > 0 and r["flops_per_step"] > 0
         if r["code"] == "paper":
             assert r["max_abs_output_difference"] == 0.0  # the stand-in computes our exact function
-    assert all("speedup" in r for r in rows if r["model"] == "tread")
+    step_s = {(r["code"], r["mode"], r["model"]): r["step_s"] for r in rows}
+    for r in rows:  # TREAD's speed-up is the dense step time of the same code and mode over its own
+        if r["model"] == "tread":
+            assert r["speedup"] == step_s[r["code"], r["mode"], "dit"] / r["step_s"]
+            assert r["speedup_vs_bound"] == r["speedup"] / r["flop_bound"]
     table = out.with_suffix(".md").read_text()
     assert "| DiT-T/8 | 2 | tread |" in table and "paper / ours" in table
+
+
+def test_a_paper_code_computing_another_function_is_detected(tmp_path):
+    """The output comparison really compares two models: a stand-in with a swapped position embedding shows
+    a clear difference (the faithful one shows none: test_bench_times_ours_and_the_paper_code_in_one_run)."""
+    perturbed = load_paper_dit(write_paper_repo(tmp_path / "perturbed", PERTURBED_DIT))
+    assert paper_output_difference(perturbed, "DiT-T/8") > 1e-2
 
 
 def test_bench_evaluation_sections_run_end_to_end(tmp_path):

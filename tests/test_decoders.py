@@ -100,8 +100,32 @@ def test_generate_imagenet_style_latents_through_the_vae(tiny_vae):
     assert labels.dtype == np.int64 and set(labels.tolist()) <= {0, 1, 2}
 
 
+class KeepLatents:
+    """A decoder that keeps the sampled latents (and returns blank images)."""
+
+    def decode(self, latents):
+        self.latents = latents
+        return torch.zeros(len(latents), RES, RES, 3, dtype=torch.uint8)
+
+
+def vae_decoded_reference(vae_path, params, weights, num_samples):
+    """sample.py's images for seeds 0..n-1, written out: the EDM latents, divided by 0.18215, through the
+    diffusers VAE, [-1, 1] -> [0, 1] clamped, times 255 truncated (the authors' quantisation), channels last."""
+    from diffusers import AutoencoderKL
+
+    model = get_model("DiT-T/2", params)
+    model.load_state_dict(weights)
+    keep = KeepLatents()
+    generation.generate(EDMPrecond(model).eval(), range(num_samples), sampler_kwargs={"num_steps": 2},
+                        decoder=keep, progress=False)
+    with torch.no_grad():
+        x = AutoencoderKL.from_pretrained(vae_path).decode(keep.latents / 0.18215).sample
+    return (((x + 1) / 2).clamp(0, 1) * 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
 def test_sample_cli_decodes_imagenet_style_checkpoints_with_the_vae(tiny_vae, tmp_path, monkeypatch, capsys):
-    """sample.py on a 4-channel 'shards' run: the VAE comes from vae=PATH; offline without weights, one line."""
+    """sample.py on a 4-channel 'shards' run: the VAE comes from vae=PATH and decodes the sampled latents exactly as
+    written out; offline without weights, one line."""
     import sample
     from accelerate.state import AcceleratorState
 
@@ -126,6 +150,7 @@ def test_sample_cli_decodes_imagenet_style_checkpoints_with_the_vae(tiny_vae, tm
     assert run(f"vae={tiny_vae}", f"out={tmp_path}/s.npz") in (0, None)
     with np.load(tmp_path / "s.npz") as data:
         assert data["arr_0"].dtype == np.uint8 and data["arr_0"].shape == (3, RES, RES, 3)
+        np.testing.assert_array_equal(data["arr_0"], vae_decoded_reference(tiny_vae, params, weights, 3))
     capsys.readouterr()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert run("vae=nobody/no-such-vae", f"out={tmp_path}/t.npz") == 2

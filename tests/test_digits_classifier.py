@@ -31,10 +31,12 @@ def test_shipped_weights_are_small_and_safe_to_load():
     assert all(torch.is_tensor(v) for v in state.values())
 
 
-def test_held_out_accuracy_at_least_97_percent(classifier):
+def test_held_out_accuracy_of_the_shipped_weights(classifier):
+    """The shipped weights read 295 of the 297 held-out digits correctly: pinned, so other weights or a
+    changed preprocessing show."""
     images, labels = load_digits_split("test", resolution=16)
     assert len(labels) == 297
-    assert accuracy(classifier, latents_to_uint8(images), labels) >= 0.97
+    assert accuracy(classifier, latents_to_uint8(images), labels) * 297 == pytest.approx(295)
 
 
 def test_interface_and_spatial_order(classifier):
@@ -78,6 +80,6 @@ def test_class_accuracy_of_held_out_digits_and_of_shuffled_labels(classifier):
     sqrt(0.1 * 0.9 / 297) = 0.017: the band 0.04-0.17 is about four of those either side."""
     latents, labels = load_digits_split("test", resolution=16)
     images = decoder_for({"kind": "digits"}).decode(latents).numpy()
-    assert class_accuracy(images, labels, classifier) == pytest.approx(295 / 297, abs=2 / 297)
+    assert class_accuracy(images, labels, classifier) * 297 == pytest.approx(295)  # as accuracy() above
     shuffled = np.random.default_rng(0).permutation(labels.numpy())
     assert 0.04 <= class_accuracy(images, shuffled, classifier) <= 0.17

@@ -93,3 +93,31 @@ def test_official_init_matches_the_paper_code_parameter_by_parameter():
             continue
         assert abs(a.std().item() / b.std().item() - 1) < 0.05, name
         assert abs(a.mean().item() - b.mean().item()) < 5 * b.std().item() / math.sqrt(b.numel()), name
+
+
+def test_force_keep_tokens_reach_the_routed_blocks():
+    """force_keep through the model (training mode, route 1 -> 2 keeping 16 of 64 tokens): hooks on the blocks
+    count max(16, most forced in a sample) = 40 tokens inside the route, and every forced token of block 0's
+    output enters block 1 unchanged."""
+    torch.manual_seed(0)
+    route = dict(start_layer_idx=1, end_layer_idx=2, selection_ratio=0.75)
+    model = get_model("DiT-T/2", dict(num_classes=10, in_channels=1, input_size=16, depth=4, hidden_size=32,
+                                      num_heads=2, enable_routing=True, routes=[route])).train()
+    seen = {}
+
+    def record(i):
+        def hook(module, args, out):
+            seen[i] = (args[0].detach(), out.detach())
+        return hook
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(record(i))
+    force = torch.zeros(3, 64, dtype=torch.bool)
+    force[0, :5] = True
+    force[1, 10:50] = True
+    with torch.no_grad():
+        model(torch.randn(3, 1, 16, 16), torch.rand(3), torch.tensor([1, 2, 3]), force_keep=force)
+    assert [seen[i][0].shape[1] for i in range(4)] == [64, 40, 40, 64]
+    entering, block_0_out = seen[1][0], seen[0][1]
+    for b, token in force.nonzero().tolist():
+        assert (entering[b] == block_0_out[b, token]).all(-1).any(), (b, token)

@@ -1,10 +1,12 @@
 """diffuser=rf: the rectified-flow objective, its ODE samplers, and its EDM-denoiser view."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import run_script, tiny_overrides
+from training.checkpoint import load_sampling_net
 from edm import edm_sampler
 from rectified_flow import FlowPrecond, RFLoss, flow_sampler
 
@@ -98,13 +100,45 @@ def test_flow_sampler_through_the_denoiser_view_matches_the_velocity():
     assert torch.allclose(via_denoiser, 0.7 + 0.3 * z, atol=2e-3)
 
 
-def test_rf_checkpoint_samples_with_the_flow_sampler(tmp_path):
-    import numpy as np
+def flow_cfg_samples(model, seeds, num_steps, scale):
+    """The reference for sample.py's `sampler=flow cfg_scale=...` on a digits rf run, written out: per-seed
+    noise then label, Heun on dx/dt = v_u + scale (v_c - v_u) from t = 1 - 1e-3 (the denoiser view's largest
+    t) to 0 with an Euler last step, in float64; pixels round((x + 1) * 127.5)."""
+    noise, labels = [], []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        noise.append(torch.randn(1, 16, 16, generator=g, dtype=torch.float32))
+        labels.append(int(torch.randint(10, size=(), generator=g)))
+    x, y = torch.stack(noise).double(), torch.tensor(labels)
 
+    def velocity(x, t):
+        t = torch.full((len(x),), t)
+        v_c, v_u = (model(x.float(), t, c).double() for c in (y, torch.full_like(y, 10)))
+        return v_u + scale * (v_c - v_u)
+
+    times = torch.linspace(1 - 1e-3, 0, num_steps + 1, dtype=torch.float64).tolist()
+    for t, t_next in zip(times[:-1], times[1:]):
+        v = velocity(x, t)
+        x_next = x + (t_next - t) * v
+        x = x + (t_next - t) * 0.5 * (v + velocity(x_next, t_next)) if t_next > 0 else x_next
+    return ((x + 1) * 127.5).round().clamp(0, 255).squeeze(1).numpy(), labels
+
+
+def test_rf_checkpoint_samples_with_the_flow_sampler(tmp_path):
+    """sample.py on an rf run with CFG gives the written-out flow sampler's images (to one grey level: float32
+    rounding in the denoiser view) and the seeds' labels."""
     run_script("train.py", f"results_dir={tmp_path}", "run_name=rf", "diffuser=rf", *tiny_overrides("tread"),
-               "train.max_steps=2", "train.ckpt_every=2", check=True)
+               "train.max_steps=2", "train.ckpt_every=2", "train.optimizer.lr=1e-2", check=True)
     out = tmp_path / "s.npz"
     run_script("sample.py", f"ckpt={tmp_path / 'rf'}", "num_samples=4", f"out={out}", "sampler=flow",
                "sampler.num_steps=4", "cfg_scale=1.5", check=True)
     with np.load(out) as f:
-        assert f["arr_0"].shape == (4, 16, 16, 3) and f["arr_0"].dtype == np.uint8
+        images, labels = f["arr_0"], f["arr_1"]
+    assert images.shape == (4, 16, 16, 3) and images.dtype == np.uint8
+    net, _ = load_sampling_net(tmp_path / "rf")
+    with torch.no_grad():
+        expected, expected_labels = flow_cfg_samples(net.model, range(4), num_steps=4, scale=1.5)
+    assert labels.tolist() == expected_labels
+    difference = np.abs(images[..., 0].astype(int) - expected)
+    assert difference.max() <= 1 and (difference == 0).mean() > 0.95, difference.max()
+    assert images.std() > 0

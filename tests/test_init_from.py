@@ -4,19 +4,48 @@ import torch
 from training.checkpoint import list_checkpoints, load_checkpoint
 from conftest import TINY_MODEL, TINY_TRAIN, assert_one_line_error, run_script, tiny_overrides
 
+LR, DECAY = 1e-3, 0.995  # the fine-tune's one step: no warm-up, so its learning rate is exactly LR
+
+
+def newest(run_dir):
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1][1])
+
+
+def fine_tune(tmp_path, name, *more):
+    proc = run_script("train.py", f"results_dir={tmp_path}", f"run_name={name}", *tiny_overrides("dit"),
+                      f"init_from={tmp_path / 'src'}", "train.max_steps=1", "train.ckpt_every=1",
+                      f"train.optimizer.lr={LR}", "train.optimizer.warmup_steps=0", f"train.ema.decay={DECAY}",
+                      *more, check=True)
+    return proc, newest(tmp_path / name)
+
 
 def test_init_from_loads_weights_and_refuses_other_shapes(tmp_path):
+    """One fine-tune step from the source: the EMA is exactly lerp(source EMA, new weights, 1 - decay), every
+    weight moved by at most one first AdamW step (|update| <= lr) from the source's *model* weights, and the
+    optimizer starts fresh (step 1) or continues the source's (step 6 + 1, second moments carried over)."""
     run_script("train.py", f"results_dir={tmp_path}", "run_name=src", *tiny_overrides("tread"), "train.max_steps=6",
                "train.ckpt_every=6", check=True)
-    source = load_checkpoint(list_checkpoints(tmp_path / "src" / "checkpoints")[-1][1])
-    proc = run_script("train.py", f"results_dir={tmp_path}", "run_name=ft", *tiny_overrides("dit"),
-                      f"init_from={tmp_path / 'src'}", "train.max_steps=1", "train.ckpt_every=1", check=True)
+    source = newest(tmp_path / "src")
+    proc, tuned = fine_tune(tmp_path, "ft")
     assert "initialised from" in proc.stdout and "fresh optimizer" in proc.stdout
-    tuned = load_checkpoint(list_checkpoints(tmp_path / "ft" / "checkpoints")[-1][1])
-    assert tuned["step"] == 1
-    for name, value in source["ema"].items():  # one EMA step (decay 0.995) away from the source EMA
-        assert torch.allclose(tuned["ema"][name], value, atol=1e-3), name
-    assert len(tuned["optimizer"]["state"]) > 0 and tuned["config"]["model"]["params"]["enable_routing"] is False
+    assert tuned["step"] == 1 and tuned["config"]["model"]["params"]["enable_routing"] is False
+    for name, value in source["ema"].items():
+        assert torch.equal(tuned["ema"][name], torch.lerp(value, tuned["model"][name], 1 - DECAY)), name
+    moved = {name: (tuned["model"][name] - value).abs().max().item() for name, value in source["model"].items()}
+    assert max(moved.values()) <= LR * (1 + 1e-5), moved
+    assert sum(m > LR / 2 for m in moved.values()) > len(moved) // 2, "the step did move the weights"
+    assert all(s["step"].item() == 1 for s in tuned["optimizer"]["state"].values())
+    assert len(tuned["optimizer"]["state"]) == len(source["optimizer"]["state"])
+
+    proc, carried = fine_tune(tmp_path, "ft_opt", "init_from_optimizer=true")
+    assert "with its optimizer state" in proc.stdout
+    beta2 = source["config"]["train"]["optimizer"]["betas"][1]
+    for key, before in source["optimizer"]["state"].items():
+        after = carried["optimizer"]["state"][key]
+        assert after["step"].item() == 7 and before["step"].item() == 6
+        # v' = beta2 v + (1 - beta2) g^2 >= beta2 v: a fresh v (g^2 alone) falls below beta2 v where g is small
+        assert (after["exp_avg_sq"] >= beta2 * before["exp_avg_sq"] * (1 - 1e-6)).all(), key
+
     wider = [o for o in TINY_MODEL if "hidden_size" not in o] + ["+model.params.hidden_size=64"]
     bad = run_script("train.py", f"results_dir={tmp_path}", "run_name=bad", "model=dit", *wider, *TINY_TRAIN,
                      f"init_from={tmp_path / 'src'}", "train.max_steps=1")

@@ -21,6 +21,7 @@ from tread_utils.files import check_output_path
 from training.checkpoint import list_checkpoints, load_checkpoint
 from conftest import REPO, assert_one_line_error, run_script, subprocess_env, tiny_overrides
 from data.decoders import IdentityDecoder
+from edm.guidance import ClassifierFreeGuidance, RoutingGuidance
 from tread_utils.errors import UserError
 
 FAST = ["sampler.num_steps=6", "progress=false"]
@@ -154,19 +155,30 @@ def test_two_processes_match_one(cli_runs):
     np.testing.assert_array_equal(ref["arr_1"], two["arr_1"])
 
 
-GUIDANCE = {
-    "cfg": ["cfg_scale=2", "guidance_interval=[0.3,5]"],
-    "routing": ["routing_guidance.scale=2", "routing_guidance.weak_ratio=0.75", "routing_guidance.strong_ratio=0.25"],
-    "both": ["cfg_scale=1.5", "routing_guidance.scale=1.5"],
+GUIDANCE = {  # name -> (sample.py options, the same guidance built by hand around the EMA net)
+    "cfg": (["cfg_scale=2", "guidance_interval=[0.3,5]"],
+            lambda net: ClassifierFreeGuidance(net, 2.0, num_classes=10, interval=(0.3, 5.0))),
+    "routing": (["routing_guidance.scale=2", "routing_guidance.weak_ratio=0.75", "routing_guidance.strong_ratio=0.25"],
+                lambda net: RoutingGuidance(net, weak_ratio=0.75, strong_ratio=0.25, scale=2.0)),
+    "both": (["cfg_scale=1.5", "routing_guidance.scale=1.5"],
+             lambda net: RoutingGuidance(ClassifierFreeGuidance(net, 1.5, num_classes=10), weak_ratio=0.7,
+                                         strong_ratio=0.3, scale=1.5)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(GUIDANCE))
-def test_guidance_runs_and_changes_the_output(cli_runs, newest, tmp_path, capsys, name):
+def test_guidance_equals_generate_on_the_explicit_wrappers(cli_runs, newest, tmp_path, capsys, name):
+    """sample.py's guidance options give exactly the images of `generate` on the wrapper built by hand (scale,
+    ratios, interval and wrapping order all reach the sampler), and differ from the unguided ones."""
     out, _ = cli_runs
-    ok(sample_here(capsys, f"ckpt={newest}", "num_samples=10", f"out={tmp_path}/g.npz", *GUIDANCE[name]))
+    options, wrap = GUIDANCE[name]
+    ok(sample_here(capsys, f"ckpt={newest}", "num_samples=10", f"out={tmp_path}/g.npz", *options))
     ref, guided = load_npz(out / "ref.npz"), load_npz(tmp_path / "g.npz")
-    assert guided["arr_0"].shape == ref["arr_0"].shape and guided["arr_0"].dtype == np.uint8
+    net, _ = ckpt.load_sampling_net(newest)
+    images, labels = generation.generate(wrap(net), range(10), decoder=IdentityDecoder(), progress=False,
+                                         sampler_kwargs={"name": "edm", "num_steps": 6})
+    np.testing.assert_array_equal(guided["arr_0"], images)
+    np.testing.assert_array_equal(guided["arr_1"], labels)
     np.testing.assert_array_equal(guided["arr_1"], ref["arr_1"])  # labels come from the seeds
     assert not np.array_equal(guided["arr_0"], ref["arr_0"])
 

@@ -1,12 +1,14 @@
 """train.py end to end: configs, loss falls, exact resume after kill -9, signals, 2 processes, bad input."""
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -141,6 +143,38 @@ def test_evaluation_does_not_change_training(tmp_path, uninterrupted, model):
     assert_bit_identical(final_state(uninterrupted(model)), final_state(tmp_path / "no_eval"))
 
 
+def test_evaluation_puts_back_every_random_stream_it_draws_from(tmp_path, monkeypatch):
+    """The runs above show evaluation leaves training unchanged, but today's evaluation draws nothing from the
+    global streams (one generator per seed). Here it does (torch, numpy and Python draws before each
+    sampling): the evaluator's set-up and call still leave all three where they were."""
+    from accelerate import Accelerator
+
+    from training import in_training_eval
+    from training.checkpoint import capture_rng_state
+    from training.diffuser import build_denoiser
+
+    sample = in_training_eval.generate
+
+    def generate_drawing(*args, **kwargs):
+        torch.rand(3), np.random.rand(3), random.random()
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(in_training_eval, "generate", generate_drawing)
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[*tiny_overrides("dit"), "train.eval.fid_num_samples=128",
+                                           "train.eval.batch_size=128", "train.eval.sampler.num_steps=2"])
+    torch.manual_seed(0)
+    model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    net = build_denoiser(cfg.diffuser, model).eval()
+    np.random.seed(0), random.seed(0)
+    before = capture_rng_state()
+    evaluator = in_training_eval.TrainingEvaluator(cfg, Accelerator(cpu=True), tmp_path)
+    assert "fid" in evaluator(net, 1)
+    after = capture_rng_state()
+    assert torch.equal(before["torch"], after["torch"]) and before["python"] == after["python"]
+    assert torch.equal(before["numpy"]["keys"], after["numpy"]["keys"]) and before["numpy"]["pos"] == after["numpy"]["pos"]
+
+
 def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path):
     code, out, _ = start_and_kill_after_checkpoint(tmp_path, "term", signal.SIGTERM, ckpt_step=20)
     assert code == 128 + signal.SIGTERM, out
@@ -165,21 +199,38 @@ def test_resume_false_moves_the_old_run_aside(tmp_path):
 
 
 def test_two_processes_log_one_reduced_loss(tmp_path):
+    """Two processes (tests/train_traced.py records each rank): identical weights on both ranks after the steps
+    (gradients are averaged), the logged loss is the mean over ranks and steps of the ranks' own losses, and
+    in an epoch the ranks see disjoint samples that together cover the whole dataset (1500 digits, 6 global
+    batches of 250: the run is one epoch)."""
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     # accelerate's `--cpu` starts one process unless MPI is installed; `--multi_gpu` starts two through
     # torchrun, and with no GPU train.py joins them on the CPU with gloo.
     proc = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                           "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py"),
+                           "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "tests/train_traced.py"),
                            f"results_dir={tmp_path}", "run_name=ddp", *tiny_overrides("tread"),
-                           "train.max_steps=20", "train.ckpt_every=20", "train.logging.log_interval=10"],
+                           "train.general.batch_size=250", "train.max_steps=6", "train.ckpt_every=6",
+                           "train.logging.log_interval=3"],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = read_metrics(tmp_path / "ddp")
-    assert [r["step"] for r in records] == [10, 20], "rank 0 alone writes, once per log step"
-    assert all(r["world_size"] == 2 for r in records)
+    logged = read_metrics(tmp_path / "ddp")
+    assert [r["step"] for r in logged] == [3, 6], "rank 0 alone writes, once per log step"
+    assert all(r["world_size"] == 2 for r in logged)
     state = final_state(tmp_path / "ddp")
     assert state["world_size"] == 2 and len(state["rng"]) == 2
     assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"]), "ranks draw different noise"
+
+    ranks = [torch.load(tmp_path / "ddp" / f"trace_rank{r}.pt") for r in (0, 1)]
+    for name, value in state["model"].items():
+        assert torch.equal(ranks[0]["model"][name], value) and torch.equal(ranks[1]["model"][name], value), name
+    losses = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64)  # [rank, step]
+    assert losses.shape == (2, 6) and not torch.equal(losses[0], losses[1])
+    for record, steps in zip(logged, (slice(0, 3), slice(3, 6))):
+        assert record["loss"] == pytest.approx(losses[:, steps].mean().item(), rel=1e-6)
+    epoch = [set(sum(r["batches"][:6], [])) for r in ranks]
+    assert all(len(b) == 125 for r in ranks for b in r["batches"][:6])
+    assert len(epoch[0]) == len(epoch[1]) == 750 and not epoch[0] & epoch[1]
+    assert epoch[0] | epoch[1] == set(range(1500))
 
 
 def bad(tmp_path, *overrides):

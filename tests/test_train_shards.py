@@ -1,15 +1,21 @@
 """train.py on latents on disk: it trains on extracted shards, and bad shards stop it with one line."""
+import json
+import math
+
 import numpy as np
 import pytest
+import torch
 
 from conftest import TINY_MODEL, assert_one_line_error, run_script
+from data.shards import _seed
+from data.vae import LOGVAR_MAX, LOGVAR_MIN
 from test_shards import simple, write_tar
 
 C, S, K = 4, 8, 10
 
 
-def shard_train(tmp_path, data_dir, *extra):
-    return run_script("train.py", f"results_dir={tmp_path / 'runs'}", "run_name=shards", "model=tread",
+def shard_train(tmp_path, data_dir, *extra, script="train.py"):
+    return run_script(script, f"results_dir={tmp_path / 'runs'}", "run_name=shards", "model=tread",
                       "dataset=imagenet256", f"dataset.train_path={data_dir}", f"dataset.input_size={S}",
                       f"dataset.num_classes={K}", *TINY_MODEL, "model.params.routes.0.start_layer_idx=1",
                       "model.params.routes.0.end_layer_idx=2", "train.general.batch_size=8",
@@ -17,13 +23,40 @@ def shard_train(tmp_path, data_dir, *extra):
                       "train.ckpt_every=6", "train.logging.log_interval=3", *extra)
 
 
+def posterior_sample(pair, index, num_samples, scale):
+    """What a read of `index` must give, written out: the flip chosen by the sample's generator (seed 0, its
+    epoch, its position), then scale * (mean + exp(logvar / 2) * eps) with eps drawn after the flip."""
+    epoch, idx = divmod(index, num_samples)
+    g = torch.Generator().manual_seed(_seed(0, epoch, idx))
+    flip = int(torch.randint(0, 2, (1,), generator=g).item())
+    moments = pair[idx][flip].astype(np.float32)
+    mean, logvar = moments[:C], np.clip(moments[C:], LOGVAR_MIN, LOGVAR_MAX)
+    eps = torch.randn(mean.shape, generator=g).numpy()
+    return torch.from_numpy((mean + np.exp(0.5 * logvar) * eps) * np.float32(scale))
+
+
 def test_trainer_reads_extracted_style_shards(tmp_path):
+    """Extracted-style shards (moments of an image and its flip) with posterior sampling, flips and a scale:
+    every micro-batch the loop trains on (two loader workers) holds exactly the scaled posterior samples of
+    the indices its sampler chose, and the losses are finite."""
     # the extractor's layout: float16 [2 flips, 2C moments, S, S]
-    write_tar(tmp_path / "data" / "latents-000000.tar", simple(12, (2, 2 * C, S, S)))
-    write_tar(tmp_path / "data" / "latents-000001.tar", simple(12, (2, 2 * C, S, S), start=12))
-    proc = shard_train(tmp_path, tmp_path / "data")
+    first, second = simple(12, (2, 2 * C, S, S)), simple(12, (2, 2 * C, S, S), start=12, seed=1)
+    write_tar(tmp_path / "data" / "latents-000000.tar", first)
+    write_tar(tmp_path / "data" / "latents-000001.tar", second)
+    proc = shard_train(tmp_path, tmp_path / "data", "dataset.posterior_sampling=true", "dataset.random_flip=true",
+                       "dataset.scale_factor=0.25", script="tests/train_traced.py")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "runs" / "shards" / "checkpoints" / "ckpt_00000006.pt").exists()
+    run_dir = tmp_path / "runs" / "shards"
+    assert (run_dir / "checkpoints" / "ckpt_00000006.pt").exists()
+    trace = torch.load(run_dir / "trace_rank0.pt")
+    pairs, labels = [arr for _, arr, _ in first + second], [label for _, _, label in first + second]
+    assert len(trace["inputs"]) == 6
+    for indices, (x, y) in zip(trace["batches"], trace["inputs"]):
+        expected = torch.stack([posterior_sample(pairs, i, 24, 0.25) for i in indices])
+        torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-7)
+        assert y.tolist() == [labels[i % 24] for i in indices]
+    logged = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 2 and all(math.isfinite(v) for v in logged + trace["losses"])
 
 
 @pytest.mark.parametrize("case", ["shape", "corrupt", "label", "empty"])

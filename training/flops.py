@@ -80,7 +80,7 @@ def fp32_blocks(backbone_type: str, params: dict) -> list:
 
 def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True) -> int:
     """The same count from formulas: backward costs twice the forward for every matmul, except the
-    patch embedding, whose input needs no gradient."""
+    patch embedding and the timestep MLP's first layer, whose inputs need no gradient."""
     a = architecture(backbone_type, params)
     D, p, C = a["hidden_size"], a["patch_size"], params["in_channels"]
     N, S = a["num_tokens"], 16
@@ -90,10 +90,10 @@ def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, r
     # the SSM's convolution kernels (forward and backward scan) are built once per batch, not per sample
     per_batch = sum(2 * 2 * D * S * n for n in counts) if a["block_type"] == "ssm" else 0
     per_sample += sum(2 * N * 2 * D * D for r in routes if r.fusion == "sprint")  # SPRINT's 2C -> C projection
-    per_sample += 2 * 256 * D + 2 * D * D                 # timestep MLP
+    per_sample += 2 * D * D                               # timestep MLP, second layer
     per_sample += 2 * D * 2 * D + 2 * N * D * p * p * C   # final adaLN and linear
-    patch_embed = 2 * N * C * p * p * D
-    return batch_size * (3 * per_sample + 2 * patch_embed) + 3 * per_batch
+    no_input_grad = 2 * N * C * p * p * D + 2 * 256 * D   # patch embedding, timestep MLP's first layer
+    return batch_size * (3 * per_sample + 2 * no_input_grad) + 3 * per_batch
 
 
 def activation_memory_fraction(backbone_type: str, params: dict) -> float:
