@@ -10,6 +10,10 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
     Epoch e is a permutation seeded by (seed, e); each step takes the next `batch_size * world_size`
     indices of it and this rank takes its slice, dropping the incomplete tail. Step s therefore
     always maps to the same samples, which is all a checkpoint needs to store the data position.
+
+    Resuming under another number of processes: with the same global batch (`batch_size * world_size`),
+    step s draws the same set of samples whatever `world_size` is; only which rank gets which of them
+    changes (tests/test_batch_sampler.py). With another global batch, steps map to other samples.
     """
 
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,

@@ -397,7 +397,8 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
                    allow_download: bool = True, check_hash: bool = True) -> InceptionV3FID:
     """The FID Inception network in eval mode on ``device`` (default: cuda if available, else cpu).
 
-    ``weights``: path to ``pt_inception-2015-12-05-6726825d.pth`` (else env var / cache / download).
+    ``weights``: path to ``pt_inception-2015-12-05-6726825d.pth`` (else env var / cache / download); a file
+    whose sha256 does not start with WEIGHTS_SHA256_PREFIX is refused (``check_hash=False``: tests only).
     ``random_init=True``: a seeded random network, for tests only.
     """
     if device is None:
@@ -405,9 +406,10 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
     if random_init:
         return random_init_inception(seed).to(device)
     path = resolve_inception_weights(weights, allow_download=allow_download)
-    if check_hash and not _sha256(path).startswith(WEIGHTS_SHA256_PREFIX):
-        print(f"warning: {path} does not have the sha256 prefix {WEIGHTS_SHA256_PREFIX} of {WEIGHTS_FILENAME}; "
-              f"loading it anyway", file=sys.stderr)
+    digest = _sha256(path) if check_hash else WEIGHTS_SHA256_PREFIX
+    if not digest.startswith(WEIGHTS_SHA256_PREFIX):  # other weights give FIDs no paper can be compared with
+        raise UserError(f"Inception weights {path} have sha256 {digest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... of "
+                        f"{WEIGHTS_FILENAME}; {_how_to_point()}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

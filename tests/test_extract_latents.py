@@ -15,7 +15,8 @@ from PIL import Image
 from conftest import save_tiny_vae
 from data import extract_latents as xl
 from data.shards import LatentShardDataset
-from data.vae import SD_VAE_SCALE, decode_latents, encode_moments, load_sd_vae
+from data.vae import SD_VAE_SCALE, decode_latents, encode_moments, load_sd_vae, vae_downsample_factor
+from tools.make_random_sdvae import SD_VAE_CONFIG, write_images
 from tread_utils.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,6 +187,24 @@ def test_list_file_and_max_images(tiny_vae, images, tmp_path):
     out = str(tmp_path / "few")
     xl.main([images, out, "--vae", tiny_vae, *FLAGS, "--max-images", "5"])
     assert len(read_shards(out)) == 5
+
+
+def test_random_sd_vae_is_the_architecture_of_the_throughput_figure(tmp_path):
+    """tools.make_random_sdvae (the README's `--vae sdvae-arch-random`) is SD-VAE's architecture: 83,653,863
+    parameters (the quoted 83.65M), 8x down-sampling, 4 latent channels (built on the meta device: no weights);
+    its images are 256 x 256 RGB JPEGs in one class folder, as the extractor lists them."""
+    from diffusers import AutoencoderKL
+
+    with torch.device("meta"):
+        vae = AutoencoderKL(**SD_VAE_CONFIG)
+    assert sum(p.numel() for p in vae.parameters()) == 83_653_863
+    assert vae_downsample_factor(vae) == 8 and vae.config.latent_channels == 4
+    write_images(tmp_path, 3)
+    items, classes, _ = xl.list_items(tmp_path)
+    assert classes == ["0"] and [(os.path.basename(p), label) for p, label in items] == [
+        (f"000{i}.jpg", 0) for i in range(3)]
+    with Image.open(tmp_path / "0" / "0000.jpg") as im:
+        assert (im.format, im.mode, im.size) == ("JPEG", "RGB", (256, 256))
 
 
 def test_center_crop_arr():

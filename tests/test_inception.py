@@ -1,4 +1,6 @@
-"""The FID Inception port: layout, parameter count, preprocessing, outputs, weight resolution."""
+"""The FID Inception port: layout, parameter count, preprocessing, outputs, weight resolution and checksums."""
+import hashlib
+import io
 import sys
 from pathlib import Path
 
@@ -114,9 +116,11 @@ def test_forward_shapes_logits_and_spatial_order(model):
 
 
 def test_load_weights_from_path_and_env(tmp_path, monkeypatch, model):
+    """A weights file whose sha256 has the expected prefix (patched to this file's) loads, tensor for tensor."""
     path = tmp_path / inception.WEIGHTS_FILENAME
     torch.save(model.state_dict(), path)
-    loaded = load_inception(path, device="cpu", check_hash=False)
+    monkeypatch.setattr(inception, "WEIGHTS_SHA256_PREFIX", hashlib.sha256(path.read_bytes()).hexdigest()[:8])
+    loaded = load_inception(path, device="cpu")
     for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), k
     monkeypatch.setenv(inception.WEIGHTS_ENV, str(path))
@@ -125,6 +129,36 @@ def test_load_weights_from_path_and_env(tmp_path, monkeypatch, model):
     torch.save({"fc.weight": torch.zeros(3)}, bad)
     with pytest.raises(UserError, match="not the FID Inception state dict"):
         load_inception(bad, device="cpu", check_hash=False)
+
+
+def test_weights_with_another_checksum_are_refused_in_one_line(tmp_path):
+    """A local file that is not the published one (sha256 prefix 6726825d) is refused before it is read."""
+    path = tmp_path / inception.WEIGHTS_FILENAME
+    path.write_bytes(b"not the FID Inception weights")
+    with pytest.raises(UserError) as info:
+        load_inception(path, device="cpu")
+    msg = str(info.value)
+    assert "\n" not in msg and "sha256" in msg and hashlib.sha256(path.read_bytes()).hexdigest()[:16] in msg
+    assert inception.WEIGHTS_SHA256_PREFIX in msg and inception.WEIGHTS_URL in msg
+
+
+def test_download_is_checksum_verified(tmp_path, monkeypatch):
+    """A download with the wrong sha256 is refused in one line and leaves no file behind; one with the
+    expected prefix (patched to the served bytes') is kept in the cache folder."""
+    served = b"bytes the fake server sends"
+    monkeypatch.delenv(inception.WEIGHTS_ENV, raising=False)
+    monkeypatch.delenv(inception.OFFLINE_ENV, raising=False)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(inception.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(served))
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    with pytest.raises(UserError, match="download is corrupt") as info:
+        inception.resolve_inception_weights()
+    assert "\n" not in str(info.value) and not any(cache.iterdir())
+    monkeypatch.setattr(inception, "WEIGHTS_SHA256_PREFIX", hashlib.sha256(served).hexdigest()[:8])
+    assert inception.resolve_inception_weights() == cache / inception.WEIGHTS_FILENAME
+    assert [p.name for p in cache.iterdir()] == [inception.WEIGHTS_FILENAME]
+    assert (cache / inception.WEIGHTS_FILENAME).read_bytes() == served
 
 
 def test_cache_dir_lookup(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Parity with the authors' code: one training step (loss, gradients, AdamW, EMA) and EDM sampling.
+"""Parity with the authors' code: one training step (loss, gradients, AdamW, EMA), the routed forward and EDM
+sampling.
 
 Needs a clone of https://github.com/CompVis/tread outside this repo:
     TREAD_PAPER_CODE=../tread python -m pytest tests/test_paper_parity.py
@@ -7,7 +8,7 @@ import os
 
 import pytest
 
-from tools.paper_parity import TOLERANCE, failures, sampler_parity, training_step_parity
+from tools.paper_parity import TOLERANCE, failures, routed_forward_parity, sampler_parity, training_step_parity
 
 PAPER_CODE = os.environ.get("TREAD_PAPER_CODE")
 pytestmark = pytest.mark.skipif(not PAPER_CODE, reason="set TREAD_PAPER_CODE=<clone of CompVis/tread>")
@@ -18,7 +19,18 @@ def test_one_training_step_matches_the_paper_code(routed):
     row = {"backbone": "DiT-S/2", "model": "tread" if routed else "dit",
            **training_step_parity(PAPER_CODE, "DiT-S/2", routed)}
     assert not failures([row]), row
-    assert set(TOLERANCE) - {"samples"} <= set(row)
+    assert {"loss", "grad", "params_after_adamw", "ema_after_update"} <= set(row)
+    assert row["kept_token_draws"] == ([1, 1] if routed else [0, 0]), "both routed, with the same kept tokens"
+
+
+def test_routed_forward_matches_the_paper_code():
+    """Same weights and kept tokens: the same output in training mode and with routing forced at inference,
+    and that output is not the dense one (each side drew kept tokens once per routed forward)."""
+    row = {"backbone": "DiT-S/2", "model": "tread forward", **routed_forward_parity(PAPER_CODE, "DiT-S/2")}
+    assert not failures([row]), row
+    assert {"routed_train_forward", "routed_forced_forward"} <= set(row) <= set(TOLERANCE) | {
+        "backbone", "model", "routing_effect", "kept_token_draws"}
+    assert row["kept_token_draws"] == [2, 2] and row["routing_effect"] > 1e-3, row
 
 
 def test_edm_sampler_matches_the_paper_code():

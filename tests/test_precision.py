@@ -8,7 +8,10 @@ from hydra import compose, initialize_config_dir
 import sample
 from conftest import REPO, TINY_MODEL, TINY_ROUTE
 from tools import bench
+from training import loop
+from training.checkpoint import load_checkpoint
 from training.loop import save_snapshot, setup
+from tread_utils.errors import UserError
 from tread_utils.precision import precision_policy, set_precision_policy
 
 
@@ -18,11 +21,12 @@ def restore_policy():
     set_precision_policy(True)
 
 
-def train_setup(tmp_path, tf32: bool):
+def train_setup(tmp_path, tf32: bool, *more):
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=[f"results_dir={tmp_path}", "run_name=p", *TINY_MODEL, *TINY_ROUTE,
                                            "train.general.batch_size=8", "train.eval.eval_interval=0",
-                                           "train.logging.tensorboard=false", f"train.tf32={str(tf32).lower()}"])
+                                           "train.logging.tensorboard=false", f"train.tf32={str(tf32).lower()}",
+                                           *more])
     return setup(cfg)
 
 
@@ -45,3 +49,38 @@ def test_train_sample_and_bench_apply_the_same_policy(tmp_path, monkeypatch, tf3
                                       "--warmup", "1", "--sections", "training", "--tf32", "on" if tf32 else "off"])
     bench.main()
     assert precision_policy() == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU accelerate makes the fp16 grad scaler")
+def test_fp16_without_a_gpu_is_refused(tmp_path):
+    """accelerate on a CPU takes mixed_precision=fp16 but neither autocasts nor scales: refused, not fp32."""
+    with pytest.raises(UserError, match="fp16 needs a GPU.*use bf16 or no"):
+        train_setup(tmp_path, True, "train.mixed_precision=fp16")
+    assert not (tmp_path / "p").exists()
+
+
+def test_grad_scaler_state_survives_a_resume(tmp_path, monkeypatch):
+    """The checkpoint carries the grad scaler's state (scale, growth tracker) and a resume restores it.
+    fp16 has no scaler on a CPU (above), so a CPU GradScaler is attached to the accelerator by hand: this
+    checks the save/restore path; scaled fp16 steps themselves need a GPU (tests/test_cuda.py)."""
+    start = loop.start_processes
+
+    def with_scaler(*args, **kwargs):
+        accelerator = start(*args, **kwargs)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=7)
+        return accelerator
+
+    monkeypatch.setattr(loop, "start_processes", with_scaler)
+    run = train_setup(tmp_path, True, "train.general.num_workers=0")
+    scaler = run.accelerator.scaler
+    scaler.scale(torch.ones(()))  # creates the scale tensor
+    scaler.update(new_scale=123.0)
+    scaler._growth_tracker.fill_(5)
+    save_snapshot(run, 3)
+    run.logger.close()
+    assert load_checkpoint(run.ckpt_dir / "ckpt_00000003.pt")["scaler"]["scale"] == 123.0
+
+    resumed = train_setup(tmp_path, True, "train.general.num_workers=0")
+    resumed.logger.close()
+    assert resumed.step == 3
+    assert resumed.accelerator.scaler.state_dict() == scaler.state_dict()

@@ -191,6 +191,25 @@ def test_importance_mix_zero_is_uniform():
     assert (freq - 0.5).abs().max() < 0.05, freq  # 4.5 sigma for a binomial(2000, 0.5)
 
 
+def test_importance_mix_between_zero_and_one_keeps_the_documented_mix():
+    """importance_mix=0.3: the kept tokens are the top-k of 0.3 * min-max-normalised L1 norm + 0.7 * the
+    seeded uniform draw (the module docstring's formula, recomputed here from the same seed); over many
+    samples a token is kept more often the larger its norm, yet neither always nor never."""
+    from routing_module import select_kept_tokens
+
+    mix, batch, n = 0.3, 4000, 16
+    x = torch.randn(1, n, 8).sign() * torch.arange(1, n + 1).view(1, n, 1)  # L1 norm 8, 16, ..., 128
+    x = x.expand(batch, -1, -1)
+    keep = select_kept_tokens(x, 0.5, torch.Generator().manual_seed(3), "importance", mix)
+    noise = torch.rand(batch, n, generator=torch.Generator().manual_seed(3))
+    norm = torch.arange(n) / (n - 1)  # (norm - min) / (max - min)
+    expect = (mix * norm + (1 - mix) * noise).topk(8, dim=1).indices.sort(dim=1).values
+    assert torch.equal(keep, expect)
+    freq = torch.zeros(n).index_add_(0, keep.flatten(), torch.ones(keep.numel())) / batch
+    assert 0.02 < freq[0] < 0.3 and 0.7 < freq[-1] < 0.98, freq  # a mix: not uniform, not the top half
+    assert torch.all(freq[1:] > freq[:-1] - 0.03), freq  # rising with the norm (binomial noise ~0.008)
+
+
 def test_force_keep_tokens_are_never_skipped():
     from routing_module import select_kept_tokens
 

@@ -1,14 +1,14 @@
-"""Parity with the authors' code (CompVis/tread), one full training step and one sampling run.
+"""Parity with the authors' code (CompVis/tread): one full training step, routed forwards, one sampling run.
 
     python -m tools.paper_parity --paper-code ../tread                 # DiT-S/2, dit and tread
     TREAD_PAPER_CODE=../tread python -m pytest tests/test_paper_parity.py
 
 With the same weights, the same batch, the same sigma and noise draws and the same kept tokens, our code and
-theirs must give the same loss, the same gradients, the same parameters after AdamW and the same EMA; our EDM
-sampler and theirs must give the same samples from the same model and noise. Their files are loaded from a
-clone outside this repo (`tools.paper_code`), never copied. Their EDM code imports deepspeed and
-transformers for helpers, and their SD-VAE wrapper, that none of these functions use; those modules are
-stubbed while it loads.
+theirs must give the same loss, the same gradients, the same parameters after AdamW and the same EMA, and the
+same routed forward in training and with routing forced at inference; our EDM sampler and theirs must give
+the same samples from the same model and noise. Their files are loaded from a clone outside this repo
+(`tools.paper_code`), never copied. Their EDM code imports deepspeed and transformers for helpers, and their
+SD-VAE wrapper, that none of these functions use; those modules are stubbed while it loads.
 
 How the draws are made equal: each side's loss runs with the global stream seeded identically, and both
 draw sigma [B,1,1,1] and then the noise like the batch; class dropout is applied before (their
@@ -34,7 +34,8 @@ from tread_utils.errors import UserError, report_user_errors
 
 # Largest differences accepted in float32 on a CPU (relative for the loss and the gradients, absolute for
 # weights, whose update is lr-sized: 1e-4 per step).
-TOLERANCE = {"loss": 1e-5, "grad": 1e-4, "params_after_adamw": 1e-6, "ema_after_update": 1e-6, "samples": 1e-4}
+TOLERANCE = {"loss": 1e-5, "grad": 1e-4, "params_after_adamw": 1e-6, "ema_after_update": 1e-6, "samples": 1e-4,
+             "routed_train_forward": 1e-5, "routed_forced_forward": 1e-5}
 STUBBED = ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.zero", "deepspeed.runtime.zero.partition_parameters",
            "transformers", "transformers.optimization", "autoencoder")
 
@@ -84,14 +85,22 @@ def _models(dit_module, backbone, routed, input_size, num_classes, seed):
 
 @contextlib.contextmanager
 def _same_kept_tokens(their_model, keep_idx):
-    """Both routers keep `keep_idx` [B, K] (sorted) instead of drawing."""
-    ours_before = routing_module.select_kept_tokens
-    routing_module.select_kept_tokens = lambda x, *args, **kwargs: keep_idx
+    """Both routers keep `keep_idx` [B, K] (sorted) instead of drawing; yields {"ours": n, "theirs": n}, how
+    many times each side asked for kept tokens (a route that did not run asks none)."""
+    ours_before, calls = routing_module.select_kept_tokens, {"ours": 0, "theirs": 0}
+
+    def handing(side):
+        def kept_tokens(x, *args, **kwargs):
+            calls[side] += 1
+            return keep_idx
+        return kept_tokens
+
+    routing_module.select_kept_tokens = handing("ours")
     router = getattr(their_model, "router", None)
     if router is not None:
-        router.get_mask = lambda x, *args, **kwargs: keep_idx
+        router.get_mask = handing("theirs")
     try:
-        yield
+        yield calls
     finally:
         routing_module.select_kept_tokens = ours_before
 
@@ -115,11 +124,9 @@ def training_step_parity(code_dir, backbone="DiT-S/2", routed=True, batch=4, inp
     x = torch.randn(batch, 4, input_size, input_size, generator=g)
     y = torch.randint(0, num_classes, (batch,), generator=g)
     y[0] = num_classes  # one dropped label: the null class, as class dropout leaves it
-    tokens = (input_size // ours.patch_size) ** 2
-    keep = routing_module.num_kept(tokens, 0.5)
-    keep_idx = torch.rand(batch, tokens, generator=g).argsort(1)[:, :keep].sort(1).values
+    keep_idx = _kept_indices(ours, batch, input_size, g)
 
-    with _same_kept_tokens(theirs, keep_idx), eager_context(True):  # their blocks' @torch.compile: eager here
+    with _same_kept_tokens(theirs, keep_idx) as draws, eager_context(True):  # their @torch.compile: eager here
         torch.manual_seed(seed + 2)
         our_loss = EDMLoss(P_mean=-1.2, P_std=1.2, sigma_data=0.5)(our_net, x, y).mean()
         torch.manual_seed(seed + 2)
@@ -140,7 +147,38 @@ def training_step_parity(code_dir, backbone="DiT-S/2", routed=True, batch=4, inp
     ema = [(p - their_ema_params[n]).abs().max().item() for n, p in our_ema.named_parameters()]
     return {"loss": abs(our_loss.item() - their_loss.item()) / abs(their_loss.item()), "grad": max(grads),
             "params_after_adamw": max(params), "ema_after_update": max(ema),
-            "loss_value": our_loss.item()}
+            "loss_value": our_loss.item(), "kept_token_draws": [draws["ours"], draws["theirs"]]}
+
+
+def _kept_indices(model, batch, input_size, generator):
+    """Sorted indices [B, K] of the tokens a 0.5 route keeps, drawn from `generator`."""
+    tokens = (input_size // model.patch_size) ** 2
+    keep = routing_module.num_kept(tokens, 0.5)
+    return torch.rand(batch, tokens, generator=generator).argsort(1)[:, :keep].sort(1).values
+
+
+def routed_forward_parity(code_dir, backbone="DiT-S/2", batch=4, input_size=16, num_classes=10, seed=0) -> dict:
+    """Largest relative differences between our routed DiT forward and theirs with the same kept tokens: in
+    training mode, and at inference with routing forced (ours `force_routing_ratio`, theirs `force_routing`
+    with `overwrite_selection_ratio`). `routing_effect`: how far the routed output is from the dense one, so a
+    match cannot come from both sides skipping the route; `kept_token_draws`: [ours, theirs] per forward."""
+    ours, theirs = _models(load_paper_dit(code_dir), backbone, True, input_size, num_classes, seed)
+    g = torch.Generator().manual_seed(seed + 4)
+    x = torch.randn(batch, 4, input_size, input_size, generator=g)
+    t = torch.rand(batch, generator=g)
+    y = torch.randint(0, num_classes + 1, (batch,), generator=g)
+    keep_idx = _kept_indices(ours, batch, input_size, g)
+    row = {}
+    with torch.no_grad(), _same_kept_tokens(theirs, keep_idx) as draws, eager_context(True):
+        ours.train(), theirs.train()
+        routed = ours(x, t, y)
+        row["routed_train_forward"] = _max_rel(routed, theirs(x, t, y))
+        ours.eval(), theirs.eval()
+        forced = ours(x, t, y, force_routing_ratio=0.5)
+        row["routed_forced_forward"] = _max_rel(forced, theirs(x, t, y, force_routing=True,
+                                                                overwrite_selection_ratio=0.5))
+        row["routing_effect"] = min(_max_rel(routed, ours(x, t, y)), _max_rel(forced, ours(x, t, y)))
+    return {**row, "kept_token_draws": [draws["ours"], draws["theirs"]]}
 
 
 def sampler_parity(code_dir, backbone="DiT-S/2", batch=4, input_size=16, num_classes=10, num_steps=8,
@@ -166,6 +204,7 @@ def run_all(code_dir, backbones=("DiT-S/2",)) -> list:
         for routed in (False, True):
             rows.append({"backbone": backbone, "model": "tread" if routed else "dit",
                          **training_step_parity(code_dir, backbone, routed)})
+        rows.append({"backbone": backbone, "model": "tread forward", **routed_forward_parity(code_dir, backbone)})
         rows.append({"backbone": backbone, "model": "sampler", **sampler_parity(code_dir, backbone)})
     return rows
 
@@ -194,7 +233,7 @@ def main(argv=None):
     bad = failures(rows)
     if bad:
         raise UserError("parity failed: " + "; ".join(bad))
-    print("parity: loss, gradients, AdamW and EMA updates, and EDM samples match the paper's code")
+    print("parity: loss, gradients, AdamW and EMA updates, routed forwards and EDM samples match the paper's code")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,9 @@ def setup(cfg: DictConfig) -> Run:
                                   cpu=not torch.cuda.is_available())
     rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
                                     accelerator.is_main_process, accelerator.device)
+    if cfg.train.mixed_precision == "fp16" and accelerator.scaler is None:  # accelerate ignores fp16 on a CPU
+        raise UserError(f"train.mixed_precision=fp16 needs a GPU: on {device.type} accelerate neither autocasts "
+                        f"to float16 nor makes a grad scaler, so the run would train in float32; use bf16 or no")
     set_precision_policy(cfg.train.tf32)
     set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # on GPU runs too
 
