@@ -17,9 +17,9 @@ from dit import DiT
 from edm import EDMLoss, EDMPrecond
 from training.checkpoint import list_checkpoints, load_checkpoint, load_sampling_net
 from training.config_check import check_train_config
-from training.repa import (RepaLoss, Tap, alignment_loss, build_repa, fit_optimizer_state,
+from training.repa import (RepaLoss, alignment_loss, build_repa, fit_optimizer_state, load_projector,
                            projector_training_flops, to_token_grid)
-from training.repa_teachers import build_teacher
+from training.repa_teachers import build_teacher, dinov2_weights_file
 from tread_utils.errors import UserError
 
 REPA_ON = OmegaConf.create({"enabled": True, "block": 1, "weight": 0.5, "encoder": "digits_classifier",
@@ -191,6 +191,22 @@ def test_optimizer_state_with_and_without_the_projector():
     assert all(torch.equal(back.state[p]["exp_avg"], plain.state[p]["exp_avg"]) for p in model.parameters())
 
 
+def test_projector_from_checkpoints_with_and_without_it(capsys):
+    model = tiny_dit()
+    projector = build_repa(REPA_ON, model, EDMPrecond(model), EDMLoss())[2]
+    before = {k: v.clone() for k, v in projector.state_dict().items()}
+    load_projector(projector, {"model": {}}, "old.pt")  # written before REPA: the projector starts fresh
+    assert all(torch.equal(before[k], v) for k, v in projector.state_dict().items())
+    assert "holds no REPA projector" in capsys.readouterr().out
+    saved = {k: torch.zeros_like(v) for k, v in before.items()}
+    load_projector(projector, {"repa": saved}, "new.pt")
+    assert all(v.abs().sum() == 0 for v in projector.state_dict().values())
+    wider = build_repa(OmegaConf.merge(REPA_ON, {"projector_dim": 8}), model, EDMPrecond(model), EDMLoss())[2]
+    with pytest.raises(UserError, match="repa.projector_dim") as e:
+        load_projector(wider, {"repa": saved}, "new.pt")
+    assert "\n" not in str(e.value)
+
+
 def compose_train(*overrides):
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         return compose("config", overrides=list(overrides))
@@ -222,6 +238,25 @@ def test_dinov2_offline_without_weights_names_what_to_download(monkeypatch, tmp_
     assert "timm/vit_base_patch14_dinov2.lvd142m" in str(e.value) and "repa.encoder_weights" in str(e.value)
     assert "\n" not in str(e.value)
     assert check_train_config(compose_train(), world_size=1).repa.enabled is False  # the default: off
+
+
+def test_dinov2_weights_are_found_in_a_folder_a_file_or_the_hub_cache(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    folder = tmp_path / "dino"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    weights = folder / "model.safetensors"
+    assert dinov2_weights_file(folder) == weights == dinov2_weights_file(weights)
+    with pytest.raises(UserError, match="holds no DINOv2 weights"):
+        dinov2_weights_file(tmp_path)
+    snapshot = tmp_path / "hub" / "models--timm--vit_base_patch14_dinov2.lvd142m"
+    (snapshot / "refs").mkdir(parents=True)
+    (snapshot / "refs" / "main").write_text("abc")
+    (snapshot / "snapshots" / "abc").mkdir(parents=True)
+    (snapshot / "snapshots" / "abc" / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert dinov2_weights_file(None) == snapshot / "snapshots" / "abc" / "model.safetensors"
 
 
 def test_train_logs_the_repa_term_and_resumes_exactly(tmp_path):

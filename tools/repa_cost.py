@@ -73,7 +73,8 @@ def timing(batch: int, repeats: int) -> dict:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    teacher_s, step_s = seconds_per_image(teach, batch, repeats, device), seconds_per_image(step, batch, repeats, device)
+    teacher_s = seconds_per_image(teach, batch, repeats, device)
+    step_s = seconds_per_image(step, batch, repeats, device)
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "batch": batch,
             "teacher_ms_per_image": teacher_s * 1e3, "dit_xl_routed_step_ms_per_image": step_s * 1e3,
             "measured_teacher_share": teacher_s / step_s}
