@@ -41,6 +41,7 @@ class FixedTeacher(nn.Module):
         self.features, self.grid = features, grid
 
     def forward(self, images):
+        self.seen = images
         return self.features, self.grid
 
 
@@ -82,12 +83,14 @@ def test_teachers_give_patch_features_on_their_grid():
 
 
 def test_teacher_grid_is_resized_to_the_token_grid():
-    ramp = torch.arange(16.0).view(1, 16, 1).expand(1, 16, 16).reshape(1, 256, 1)  # the row index, 16 x 16
-    small = to_token_grid(ramp, (16, 16), (8, 8))
-    assert small.shape == (1, 64, 1)
-    rows = small.view(8, 8)
+    index = torch.arange(16.0)
+    rows_cols = torch.stack([index.view(16, 1).expand(16, 16), index.view(1, 16).expand(16, 16)], -1)
+    features = rows_cols.reshape(1, 256, 2)  # channel 0: the row of a 16 x 16 patch, channel 1: its column
+    small = to_token_grid(features, (16, 16), (8, 8)).view(8, 8, 2)
+    rows, cols = small[..., 0], small[..., 1]
     assert torch.allclose(rows, rows[:, :1].expand(8, 8)) and torch.all(rows[1:, 0] > rows[:-1, 0])
-    assert to_token_grid(ramp, (16, 16), (16, 16)) is ramp
+    assert torch.allclose(cols, cols[:1].expand(8, 8)) and torch.all(cols[0, 1:] > cols[0, :-1])
+    assert to_token_grid(features, (16, 16), (16, 16)) is features
 
 
 def reference_alignment(projected, target, keep):
@@ -143,6 +146,7 @@ def test_only_kept_tokens_count_inside_a_route():
         return loss_fn(spy, x, y).mean(), spy.tap
 
     loss, tap = loss_and_kept(features)
+    assert torch.equal(loss_fn.teacher.seen, x)  # the clean image, not the noised one
     assert tap.hidden.shape[1] == 32 and tap.keep_idx.shape == (4, 32)  # half of the 64 tokens go through
     dropped = sorted(set(range(64)) - set(tap.keep_idx[0].tolist()))[0]
     kept = int(tap.keep_idx[0, 0])
@@ -273,6 +277,7 @@ def test_train_logs_the_repa_term_and_resumes_exactly(tmp_path):
         for name in a[key]:
             assert torch.equal(a[key][name], b[key][name]), f"{key}.{name}"
     assert set(a["repa"]) == {f"{i}.{w}" for i in (0, 2, 4) for w in ("weight", "bias")}
+    assert len(a["optimizer"]["param_groups"][0]["params"]) == len(a["model"]) + len(a["repa"])  # trained too
     for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert all(torch.equal(pa[k], pb[k]) for k in pa)
     logs = [[json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in "ab"]
