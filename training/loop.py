@@ -130,7 +130,8 @@ def setup(cfg: DictConfig) -> Run:
     model.to(device)  # before the optimizer: its fused-kernel choice follows the parameters' device
     trained = list(model.parameters())
     if projector is not None:
-        projector.to(device), loss_fn.teacher.to(device)
+        projector.to(device)
+        loss_fn.teacher.to(device)
         trained += list(projector.parameters())  # after the model's: fit_optimizer_state relies on the order
     o = cfg.train.optimizer
     optimizer = build_adamw(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
