@@ -185,17 +185,18 @@ class DiT(nn.Module):
         return block(x, c)
 
     def forward(self, x, t, y=None, force_routing_ratio=None, routing_seed=None, force_keep=None,
-                drop_deep_path=False):
+                drop_deep_path=False, repa_tap=None):
         """x [B, C, H, W], t [B] noise level, y [B] labels (None or `num_classes` = unconditional).
 
         force_keep: optional [B, N] bool mask of tokens (patch grid, row-major) that are never routed.
-        drop_deep_path: SPRINT routes skip their blocks, mask tokens instead (path-drop guidance's weak branch)."""
+        drop_deep_path: SPRINT routes skip their blocks, mask tokens instead (path-drop guidance's weak branch).
+        repa_tap: a training.repa.Tap that receives one block's hidden tokens (REPA's alignment)."""
         if y is None:
             y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
         x = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y)
         x = self.router(self.blocks, x, c, force_routing_ratio, routing_seed, self._run_block, force_keep,
-                        self.fusions, drop_deep_path)
+                        self.fusions, drop_deep_path, repa_tap)
         return self.unpatchify(self.final_layer(x, c))
 
 

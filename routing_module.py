@@ -279,10 +279,12 @@ class TokenRouter(nn.Module):
 
     def forward(self, blocks: Sequence[nn.Module], x, c, force_ratio: Optional[float] = None,
                 seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None,
-                fusions: Optional[nn.ModuleDict] = None, drop_deep_path: bool = False):
+                fusions: Optional[nn.ModuleDict] = None, drop_deep_path: bool = False, tap=None):
         """`run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing).
         `fusions`: route index (str) -> SprintFusion for the routes with `fusion: sprint`, which end in it
-        even when no token is dropped; `drop_deep_path` skips their blocks (mask tokens instead)."""
+        even when no token is dropped; `drop_deep_path` skips their blocks (mask tokens instead).
+        `tap` (training.repa.Tap): receives the tokens after block `tap.block` and, inside a route, the kept
+        indices (before the route ends: a route's last block still holds only its kept tokens)."""
         run_block = run_block or (lambda block, x, c: block(x, c))
         fusions = fusions if fusions is not None else {}
         ratios = self.active_ratios(force_ratio)
@@ -310,6 +312,8 @@ class TokenRouter(nn.Module):
             else:
                 x = run_block(block, x, c)
                 after_route = False
+            if tap is not None and i == tap.block:
+                tap.hidden, tap.keep_idx = x, keep_idx
             if route is not None and i == route.end_layer_idx:
                 if fusion is not None:
                     x = fusion(None if skip else x, x_full, keep_idx, drop_all=skip)

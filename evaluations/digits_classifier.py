@@ -60,13 +60,19 @@ class DigitsClassifier(nn.Module):
         self.fc2 = nn.Linear(POOL_DIM, NUM_CLASSES)
         self.dropout = nn.Dropout(dropout)
 
-    def forward_latents(self, x: torch.Tensor) -> dict:
-        """x: float [N, 1, 16, 16] in [-1, 1] (the training path; gradients flow)."""
+    def feature_maps(self, x: torch.Tensor):
+        """The 8x8 maps of conv3 and conv4 [N, 64, 8, 8], after ReLU and before the last pooling; conv4's is
+        REPA's teacher on the digits (training/repa_teachers.py)."""
         h = F.relu(self.conv1(x))
         h = F.max_pool2d(F.relu(self.conv2(h)), 2)  # 8x8
-        h = F.relu(self.conv3(h))
-        spatial = h[:, :SPATIAL_CHANNELS].permute(0, 2, 3, 1).reshape(len(x), -1)  # (h, w, c)
-        h = F.max_pool2d(F.relu(self.conv4(h)), 2)  # 4x4
+        h3 = F.relu(self.conv3(h))
+        return h3, F.relu(self.conv4(h3))
+
+    def forward_latents(self, x: torch.Tensor) -> dict:
+        """x: float [N, 1, 16, 16] in [-1, 1] (the training path; gradients flow)."""
+        h3, h4 = self.feature_maps(x)
+        spatial = h3[:, :SPATIAL_CHANNELS].permute(0, 2, 3, 1).reshape(len(x), -1)  # (h, w, c)
+        h = F.max_pool2d(h4, 2)  # 4x4
         pool = F.relu(self.fc1(h.flatten(1)))
         logits = self.fc2(self.dropout(pool))
         return {"pool": pool, "spatial": spatial, "logits": logits}

@@ -161,9 +161,11 @@ def test_names_the_schema_allows_are_the_registries():
     import routing_module
     from evaluations import digits_classifier, inception
     from training.diffuser import DIFFUSERS
+    from training.repa_teachers import TEACHERS
 
     assert set(S.DIFFUSER_NAMES) == set(DIFFUSERS) and set(S.DATASET_KINDS) == set(data.DATASETS)
     assert set(S.SAMPLER_NAMES) == set(generation.SAMPLERS) and S.SELECTIONS == routing_module.SELECTIONS
     assert S.SCORER_FEATURE_DIMS == {"digits": digits_classifier.POOL_DIM, "shards": inception.POOL_DIM}
     assert dit.MODEL_PARAM_KEYS <= set(S.ModelParamsSchema.__dataclass_fields__)
     assert S.MODEL_INITS == dit.INITS and S.QUANTIZE == data.vae.QUANTIZE
+    assert set(S.REPA_ENCODERS) == set(TEACHERS)

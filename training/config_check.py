@@ -160,6 +160,11 @@ RANGES = [
     ("diffuser.P_std", lambda v: v > 0, "> 0", "e.g. diffuser.P_std=1.2"),
     ("diffuser.sigma_data", lambda v: v > 0, "> 0", "e.g. diffuser.sigma_data=0.5"),
     ("dataset.kind", lambda v: v in S.DATASET_KINDS, f"one of {', '.join(S.DATASET_KINDS)}", "e.g. dataset=digits"),
+    ("repa.weight", at_least(0), ">= 0 (REPA: 0.5)", "e.g. repa.weight=0.5"),
+    ("repa.projector_dim", at_least(1), "at least 1 (REPA: 2048)", "e.g. repa.projector_dim=2048"),
+    ("repa.block", at_least(0), "a block index >= 0 (the tokens after that block are aligned)", "e.g. repa.block=3"),
+    ("repa.encoder", lambda v: v in S.REPA_ENCODERS, f"one of {', '.join(S.REPA_ENCODERS)}",
+     "e.g. repa.encoder=dinov2_vitb14"),
     ("model.params.init", lambda v: v in S.MODEL_INITS, f"one of {', '.join(S.MODEL_INITS)}",
      "e.g. model.params.init=official"),
     ("model.params.cond_mode", lambda v: v == "adaln", "adaln (the only conditioning implemented)",
@@ -199,7 +204,7 @@ def check_paths(cfg):
     if e.eval_interval > 0 and d.kind == "shards" and not e.ref_batch:
         raise UserError("train.eval.ref_batch=null: in-training FID on latents needs a reference batch; set "
                         "train.eval.ref_batch=VIRTUAL_imagenet256_labeled.npz (ADM's), or train.eval.eval_interval=0")
-    for key in ("init_from", "train.eval.ref_batch", "train.eval.inception_weights"):
+    for key in ("init_from", "train.eval.ref_batch", "train.eval.inception_weights", "repa.encoder_weights"):
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).expanduser().exists():
             raise UserError(f"{key}={value} does not exist; give an existing path, or {key}=null")
@@ -254,8 +259,30 @@ def check_train_config(cfg, world_size: int = 1):
     check_paths(merged)
     import dit  # the model code (torch) only now: backbone, model.params and routes, as get_model checks them
 
-    dit.model_kwargs(data["model"]["backbone_type"], data["model"]["params"])
+    depth = dit.model_kwargs(data["model"]["backbone_type"], data["model"]["params"])["depth"]
+    check_repa(merged, depth)
     return merged
+
+
+def check_repa(cfg, depth: int):
+    """REPA's rules that need the model's depth or the dataset, and its teacher weights (found, not loaded)."""
+    r = cfg.repa
+    if not r.enabled:
+        return
+    if r.block >= depth:
+        raise refuse("repa.block", r.block, f"in 0..{depth - 1} (the model has {depth} blocks)",
+                     f"e.g. repa.block={depth // 3}")
+    if cfg.dataset.kind == "shards":
+        raise refuse("repa.enabled", True, "false with dataset.kind=shards: the shards hold latents, not the clean "
+                     "images the teacher needs (README: REPA, what storing images in the shards would take)",
+                     "train REPA on dataset=digits, or repa.enabled=false")
+    if r.encoder == "digits_classifier" and cfg.dataset.kind != "digits":
+        raise refuse("repa.encoder", r.encoder, "used with dataset.kind=digits only (it reads 16 x 16 grey digits)",
+                     "e.g. repa.encoder=dinov2_vitb14")
+    if r.encoder == "dinov2_vitb14":
+        from training.repa_teachers import dinov2_weights_file
+
+        dinov2_weights_file(r.encoder_weights)
 
 
 def check_sample_config(cfg):

@@ -32,6 +32,7 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 SHARDS_ONLY = ("train_path", "scale_factor", "random_flip", "posterior_sampling", "quantize", "vae")  # dataset keys
 QUANTIZE = ("truncate", "round")                     # data.vae.QUANTIZE
 MODEL_INITS = ("official", "adaln_zero")
+REPA_ENCODERS = ("dinov2_vitb14", "digits_classifier")  # training.repa_teachers.TEACHERS
 
 
 @dataclass
@@ -207,6 +208,17 @@ class TrainSchema:
 
 
 @dataclass
+class RepaSchema:
+    enabled: bool = key("REPA's alignment loss (off by default: the authors' code has none)")
+    block: int = key("the aligned block, 0-based: its output tokens, in 0..depth-1 (REPA's encoder_depth d: d-1)")
+    weight: float = key("weight of the alignment term, >= 0 (REPA: 0.5)")
+    encoder: str = key("the frozen teacher: dinov2_vitb14 or digits_classifier (digits only)")
+    encoder_weights: Optional[str] = key("dinov2_vitb14: weights file or folder (null: the Hugging Face cache); "
+                                         "digits_classifier: a weights file (null: the shipped one)")
+    projector_dim: int = key("hidden width of REPA's 3-layer MLP projector, >= 1 (REPA: 2048)")
+
+
+@dataclass
 class ConfigSchema:
     """configs/config.yaml after composition (what train.py receives)."""
     results_dir: str = key("runs live in results_dir/run_name")
@@ -220,6 +232,7 @@ class ConfigSchema:
     diffuser: DiffuserSchema = key("the diffuser group", factory=DiffuserSchema)
     dataset: DatasetSchema = key("the dataset group", factory=DatasetSchema)
     train: TrainSchema = key("training", factory=TrainSchema)
+    repa: RepaSchema = key("REPA representation alignment", factory=RepaSchema)
 
 
 @dataclass

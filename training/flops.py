@@ -2,6 +2,7 @@
 
     python -m training.flops model=tread dataset=imagenet256          # the configured model, per-GPU batch 1
     python -m training.flops model=tread model.backbone_type=DiT-XL/2 model.params.routes.0.end_layer_idx=24
+    python -m training.flops dataset=imagenet256 model.backbone_type=DiT-XL/2 repa.enabled=true repa.block=7
 
 Two independent counts of one training step (forward + backward): `training_step_flops` measures it
 with torch.utils.flop_counter on meta tensors (no memory, no compute), `analytic_training_flops`
@@ -18,6 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dit import DiT_models, get_model
 from routing_module import num_kept, resolve_routes
+from training.repa import projector_training_flops
+from training.repa_teachers import TEACHERS, teacher_forward_flops
 from tread_utils.errors import UserError, exit_with
 
 
@@ -104,8 +107,10 @@ def activation_memory_fraction(backbone_type: str, params: dict) -> float:
     return sum(counts) / (a["depth"] * a["num_tokens"])
 
 
-def routing_flop_report(backbone_type: str, params: dict, batch_size: int) -> dict:
-    """Training-step FLOPs with and without the configured routes and what they imply."""
+def routing_flop_report(backbone_type: str, params: dict, batch_size: int, repa: Optional[dict] = None,
+                        dataset_kind: str = "digits") -> dict:
+    """Training-step FLOPs with and without the configured routes and what they imply; with `repa` (the
+    config node) enabled, also REPA's extra FLOPs."""
     routed = training_step_flops(backbone_type, params, batch_size, routing=True)
     dense = training_step_flops(backbone_type, params, batch_size, routing=False)
     a = architecture(backbone_type, params)
@@ -118,7 +123,29 @@ def routing_flop_report(backbone_type: str, params: dict, batch_size: int) -> di
             "activation_memory_fraction": activation_memory_fraction(backbone_type, params),
             "tokens_per_block": tokens_per_block(a["depth"], a["num_tokens"],
                                                  resolve_routes(params.get("routes"), a["depth"])),
-            **schedule_end_flops(backbone_type, params, batch_size)}
+            **schedule_end_flops(backbone_type, params, batch_size),
+            **repa_flops(backbone_type, params, batch_size, repa, dataset_kind)}
+
+
+# pixels per latent side: the SD-VAE's downsampling (latent shards); the digits are their own images
+IMAGE_SCALE = {"shards": 8, "digits": 1}
+
+
+def repa_flops(backbone_type: str, params: dict, batch_size: int, repa: Optional[dict], dataset_kind: str) -> dict:
+    """REPA's extra FLOPs per training step: its projector (forward + backward over the tokens the aligned block
+    holds: the kept ones inside a route) and the teacher's forward pass on the clean images (measured)."""
+    if not repa or not repa.get("enabled"):
+        return {}
+    a = architecture(backbone_type, params)
+    tokens = tokens_per_block(a["depth"], a["num_tokens"], resolve_routes(params.get("routes"), a["depth"]))
+    kept = tokens[int(repa["block"])]
+    teacher_dim = TEACHERS[repa["encoder"]].dim
+    resolution = params["input_size"] * IMAGE_SCALE[dataset_kind]
+    channels = 3 if dataset_kind == "shards" else params["in_channels"]
+    return {"repa_tokens": kept, "repa_block": int(repa["block"]), "repa_encoder": repa["encoder"],
+            "repa_projector_flops": batch_size * projector_training_flops(a["hidden_size"], int(repa["projector_dim"]),
+                                                                         teacher_dim, kept),
+            "repa_teacher_flops": teacher_forward_flops(repa["encoder"], batch_size, channels, resolution)}
 
 
 def schedule_end_flops(backbone_type: str, params: dict, batch_size: int) -> dict:
@@ -132,7 +159,7 @@ def schedule_end_flops(backbone_type: str, params: dict, batch_size: int) -> dic
 
 
 def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
-    r = report
+    r, routed = report, report["flops_per_step_routed"]
     return (f"FLOPs per training step ({backbone_type}, batch {batch_size}, forward + backward): dense "
             f"{r['flops_per_step_dense'] / 1e9:.2f} G, routed {r['flops_per_step_routed'] / 1e9:.2f} G -> speed-up "
             f"bound {r['flop_speedup_bound']:.3f}x; block activation memory ~{r['activation_memory_fraction']:.0%} "
@@ -142,7 +169,12 @@ def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
                 f"FLOPs" if r["fp32_blocks"] else "") + (
                 f"\n  ratio schedule: routed {r['flops_per_step_routed'] / 1e9:.2f} G per step at its start, "
                 f"{r['flops_per_step_routed_end'] / 1e9:.2f} G from step {r['schedule_end_step']} on"
-                if "schedule_end_step" in r else ""))
+                if "schedule_end_step" in r else "") + (
+                f"\n  REPA: projector {r['repa_projector_flops'] / 1e9:.3f} G (forward + backward over the "
+                f"{r['repa_tokens']} tokens after block {r['repa_block']}), {r['repa_encoder']} teacher forward "
+                f"{r['repa_teacher_flops'] / 1e9:.3f} G per step: {r['repa_projector_flops'] / routed:.1%} and "
+                f"{r['repa_teacher_flops'] / routed:.1%} of the routed step"
+                if "repa_teacher_flops" in r else ""))
 
 
 def main():
@@ -151,7 +183,9 @@ def main():
         try:
             params = OmegaConf.to_container(cfg.model.params, resolve=True)
             params["enable_routing"] = True
-            print(format_report(cfg.model.backbone_type, routing_flop_report(cfg.model.backbone_type, params, 1), 1))
+            repa = OmegaConf.to_container(cfg.repa, resolve=True)
+            report = routing_flop_report(cfg.model.backbone_type, params, 1, repa, cfg.dataset.kind)
+            print(format_report(cfg.model.backbone_type, report, 1))
         except UserError as e:
             exit_with(str(e))
 

@@ -27,6 +27,7 @@ from training.diffuser import build_denoiser, build_objective
 from training.flops import format_report, routing_flop_report
 from training.in_training_eval import TrainingEvaluator
 from training.optimizer import build_adamw
+from training.repa import build_repa, fit_optimizer_state, load_projector
 from training.progress import Progress, format_duration
 from training.run_dir import drop_redone_records, prepare_run_dir
 from training.run_log import MetricsLogger, format_metrics
@@ -42,7 +43,7 @@ def update_ema(ema_params, model_params, decay: float):
 
 
 
-def init_weights(cfg, model, ema, optimizer, is_main):
+def init_weights(cfg, model, ema, optimizer, is_main, projector=None):
     """Start a new run from another run's model and EMA weights, e.g. the paper's "(F)" fine-tuning of a
     TREAD run without routing: `model=dit init_from=results/tread-digits`. Fresh optimizer unless
     init_from_optimizer=true."""
@@ -50,8 +51,10 @@ def init_weights(cfg, model, ema, optimizer, is_main):
     state = ckpt.load_checkpoint(source)
     ckpt.load_model_state(model, state["model"], source)
     ckpt.load_model_state(ema, state["ema"], source)
+    load_projector(projector, state, source, is_main)
     if cfg.init_from_optimizer:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], optimizer, len(list(model.parameters())),
+                                                      "repa" in state))
     if is_main:
         print(f"initialised from {source} (step {state['step']}), "
               f"{'with its optimizer state' if cfg.init_from_optimizer else 'fresh optimizer'}")
@@ -84,11 +87,17 @@ class Run:
     data_iter: Any
     step: int
     accum: int                    # micro-batches per optimizer step
+    projector: Optional[torch.nn.Module] = None  # REPA's (training/repa.py), trained, not in the EMA
+    repa_sum: Optional[torch.Tensor] = None      # REPA's alignment term summed since the last log record
     logger: Optional[MetricsLogger] = None
     evaluator: Optional[TrainingEvaluator] = None
     eval_net: Optional[torch.nn.Module] = None
     started: float = dataclasses.field(default_factory=time.time)
     last_scores: dict = dataclasses.field(default_factory=dict)  # of the newest evaluation, for the summary
+
+    @property
+    def trained_params(self) -> list:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     @property
     def ckpt_dir(self) -> Path:
@@ -119,11 +128,16 @@ def setup(cfg: DictConfig) -> Run:
     torch.manual_seed(cfg.global_seed)
     model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
-    net, loss_fn = build_objective(cfg.diffuser, model)
+    denoiser, loss_fn = build_objective(cfg.diffuser, model)
+    net, loss_fn, projector = build_repa(cfg.repa, model, denoiser, loss_fn)  # unchanged when REPA is off
     model.to(device)  # before the optimizer: its fused-kernel choice follows the parameters' device
+    trained = list(model.parameters())
+    if projector is not None:
+        projector.to(device)
+        loss_fn.teacher.to(device)
+        trained += list(projector.parameters())  # after the model's: fit_optimizer_state relies on the order
     o = cfg.train.optimizer
-    optimizer = build_adamw(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                            weight_decay=o.weight_decay)
+    optimizer = build_adamw(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
     # Resume (or start from another run's weights).
     step = 0
@@ -131,13 +145,15 @@ def setup(cfg: DictConfig) -> Run:
         source = found[-1][1]
         ckpt.load_model_state(model, state["model"], source)
         ckpt.load_model_state(ema, state["ema"], source)
+        load_projector(projector, state, source, is_main)
         try:
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], optimizer,
+                                                          len(list(model.parameters())), "repa" in state))
         except (ValueError, KeyError) as e:
             raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
         step = int(state["step"])
     elif cfg.init_from:
-        init_weights(cfg, model, ema, optimizer, is_main)
+        init_weights(cfg, model, ema, optimizer, is_main, projector)
     ema.to(device)
 
     # Load dataset: the batch sampler counts micro-batches and starts at the resumed step's first one.
@@ -154,7 +170,7 @@ def setup(cfg: DictConfig) -> Run:
 
     # Distribute.
     if cfg.train.compile:
-        net.model = torch.compile(model)
+        denoiser.model = torch.compile(model)
     net, optimizer = accelerator.prepare(net, optimizer)
     if state is not None and state.get("scaler") and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
@@ -169,7 +185,8 @@ def setup(cfg: DictConfig) -> Run:
             print(f"note: checkpoint was written by {len(rng)} processes, now {world}: RNG streams are re-seeded")
 
     model.router.off_after_step = cfg.train.get("routing_off_after")
-    run = Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, sampler, iter(loader), step, accum)
+    run = Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, sampler, iter(loader), step, accum,
+              projector, torch.zeros((), device=device) if projector is not None else None)
     if is_main:
         run.logger = open_run_log(run, resumed_from=found[-1][1] if state is not None else None)
     if cfg.train.eval.eval_interval and cfg.train.eval.eval_interval > 0:
@@ -199,10 +216,11 @@ def open_run_log(run: Run, resumed_from) -> MetricsLogger:
           f"{describe_routes(router.routes) if router.enable_routing else 'off'}, {world} process(es) on "
           f"{run.accelerator.device}, global batch {cfg.train.general.batch_size}, run dir {run.run_dir}")
     print(f"resuming from {resumed_from} at step {run.step}" if resumed_from is not None else "starting at step 0")
-    if router.routes:
+    if router.routes or run.projector is not None:
         per_rank_batch = cfg.train.general.batch_size // world
         params = OmegaConf.to_container(cfg.model.params, resolve=True)
-        report = routing_flop_report(cfg.model.backbone_type, params, per_rank_batch)
+        report = routing_flop_report(cfg.model.backbone_type, params, per_rank_batch,
+                                     OmegaConf.to_container(cfg.repa, resolve=True), cfg.dataset.kind)
         print(format_report(cfg.model.backbone_type, report, per_rank_batch))
     return logger
 
@@ -214,6 +232,7 @@ def save_snapshot(run: Run, step: int):
     if accelerator.is_main_process:
         payload = {"step": step, "model": run.model.state_dict(), "ema": run.ema.state_dict(),
                    "optimizer": run.optimizer.state_dict(), "rng": rng_states,
+                   **({"repa": run.projector.state_dict()} if run.projector is not None else {}),
                    "world_size": accelerator.num_processes,
                    "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                    "config": OmegaConf.to_container(run.cfg, resolve=True)}
@@ -240,6 +259,8 @@ def accumulate_gradients(run: Run, num_classes: int, drop_prob: float) -> torch.
             loss = run.loss_fn(run.net, x, y).mean()
             accelerator.backward(loss / run.accum if run.accum > 1 else loss)
         total = total + loss.detach() / run.accum
+        if getattr(run, "repa_sum", None) is not None:  # a Run with REPA on (tests pass a bare namespace)
+            run.repa_sum += run.loss_fn.last / run.accum
     return total
 
 
@@ -291,7 +312,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
             run.model.router.set_step(step)
             loss = accumulate_gradients(run, num_classes, drop_prob)
             if o.grad_clip:
-                accelerator.clip_grad_norm_(run.model.parameters(), o.grad_clip)
+                accelerator.clip_grad_norm_(run.trained_params, o.grad_clip)
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
             # Update EMA.
@@ -311,9 +332,13 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
                     stop_now = bool(accelerator.reduce(flag, "max").item())
                 if not math.isfinite(mean_loss):
                     break
+                repa = {}
+                if run.repa_sum is not None:  # the alignment term alone (mean -cos); `loss` includes it, weighted
+                    repa = {"repa_loss": (accelerator.reduce(run.repa_sum, "mean") / steps_since_log).item()}
+                    run.repa_sum.zero_()
                 if run.logger is not None:
                     steps_per_sec = steps_since_log / (time.time() - t_log)
-                    run.logger.log(step, {"loss": mean_loss, "steps_per_sec": steps_per_sec,
+                    run.logger.log(step, {"loss": mean_loss, **repa, "steps_per_sec": steps_per_sec,
                                           "images_per_sec": steps_per_sec * t.general.batch_size,
                                           "epoch": step * run.accum / run.sampler.steps_per_epoch, "lr": lr,
                                           "world_size": world})
