@@ -71,7 +71,7 @@ def test_report_lists_every_run_and_draws_the_plots(grid, tmp_path):
     for row in read_csv(out / "report.csv"):
         assert row["final_fid"] == row["best_fid"] == "-"
         if row["status"] == "completed":
-            assert row["steps"] == "3" and row["backbone"] == "DiT-D/2" and float(row["final_loss"]) > 0
+            assert row["steps"] == "3" and row["backbone"] == "DiT-D/4" and float(row["final_loss"]) > 0
             assert float(row["steps_per_sec"]) > 0 and float(row["compute_hours"]) > 0
     md = (out / "report.md").read_text()
     assert md.count("| completed |") == 3 and md.count("| failed |") == 1 and "4 run(s)" in proc.stdout

@@ -155,7 +155,7 @@ def test_reproduce_script_runs_the_documented_sweeps(tmp_path):
         for job in expand(call[2:]):
             cfg = compose_cfg(job)
             assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples) == (600, 150, 256)
-            assert cfg.model.backbone_type == "DiT-D/2" and cfg.dataset.name == "digits"
+            assert cfg.model.backbone_type == "DiT-D/4" and cfg.dataset.name == "digits"
             key = f"{cfg.results_dir}/{cfg.run_name}/{cfg.hydra.job.override_dirname}"
             routes = [(r.start_layer_idx, r.end_layer_idx, r.selection_ratio) for r in cfg.model.params.routes]
             runs[key] = (cfg.model.name, cfg.global_seed, routes if cfg.model.params.enable_routing else None)
