@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Toy-scale reproduction on the embedded digits (DiT-T/2: 12 blocks, 128 wide, 16x16x1 inputs, 64 tokens):
+# Toy-scale reproduction on the embedded digits (the preset's model: DiT-D/4, 12 blocks, 64 wide, 16 tokens):
 #   1. DiT against TREAD (route 2 -> 8 at ratio 0.5), seeds 0, 1, 2 (the paper's Table 2) -> $RESULTS/compare/
 #   2. selection-ratio ablation 0 / 0.25 / 0.5 / 0.75, seed 0 (the paper's Table 5)       -> $RESULTS/ratio/
 #   3. report.py over both                                                                -> $REPORT/

@@ -6,7 +6,8 @@
   Weights come from `repa.encoder_weights` (a file, or a folder holding model.safetensors or
   pytorch_model.bin) or else from the Hugging Face cache; nothing is downloaded at run time.
 * `digits_classifier`: the shipped digits classifier's last spatial map (conv4 after ReLU, 8 x 8 x 64, before
-  its pooling), so REPA runs on a fresh CPU machine; 8 x 8 is DiT-D/2's token grid on the 16 x 16 digits.
+  its pooling), so REPA runs on a fresh CPU machine; 8 x 8 is DiT-D/2's token grid on the 16 x 16 digits (the
+  digits preset's DiT-D/4 has 4 x 4 tokens: the map is resized to it).
 """
 from pathlib import Path
 
