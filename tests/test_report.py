@@ -7,6 +7,8 @@ import pytest
 import yaml
 
 from conftest import REPO, assert_one_line_error, run_script, tiny_overrides
+from dit import DiT_models
+from tools.report import model_depth
 
 GRID = ["model.params.routes.0.start_layer_idx=1,3", "model.params.routes.0.end_layer_idx=2,3"]
 PLOTS = ("fid_vs_step", "fid_vs_time", "route_placement")
@@ -165,3 +167,10 @@ def test_bad_input_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert_one_line_error(proc, "no run directory")
     assert_one_line_error(run_script("tools.report"), "usage")
+
+
+def test_model_depth_knows_every_registry_backbone():
+    """Negative route indices resolve against the depth read from the backbone name: a registry family the
+    report does not know (DiT-D/* once) would leave the placement chart without its routes."""
+    for name, spec in DiT_models.items():
+        assert model_depth({"backbone_type": name, "params": {}}) == spec["depth"], name

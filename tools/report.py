@@ -23,7 +23,7 @@ from pathlib import Path
 from tread_utils.errors import exit_with
 
 SKIP_DIRS = {"checkpoints", "tensorboard", "wandb", "samples", "__pycache__"}
-DEPTHS = {"T": 12, "S": 12, "B": 12, "L": 24, "XL": 28}  # dit.py's registry: <family>-<size>/<patch>
+DEPTHS = {"D": 12, "T": 12, "S": 12, "B": 12, "L": 24, "XL": 28}  # dit.py's registry: <family>-<size>/<patch>
 COLUMNS = [("run", "run"), ("status", "status"), ("backbone", "backbone"), ("model", "model"),
            ("routes", "routes"), ("ratio", "ratio"), ("seed", "seed"), ("steps", "steps"),
            ("final_fid", "final FID"), ("best_fid", "best FID"), ("best_fid_step", "best FID step"),
