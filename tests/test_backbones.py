@@ -82,7 +82,9 @@ def test_ssm_flops_fall_as_the_report_says():
 
 def test_report_command_and_ssm_training(tmp_path):
     proc = run_script("training.flops", "model=tread", check=True)
-    assert "speed-up bound 1.4" in proc.stdout and "tokens per block [64, 64, 32" in proc.stdout
+    # the digits preset (DiT-D/4, 16 tokens), route 2 -> 8 at 0.5: blocks 3-8 see 8 tokens
+    assert "speed-up bound 1.403x" in proc.stdout
+    assert "tokens per block [16, 16, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16]" in proc.stdout
     proc = run_script("train.py", f"results_dir={tmp_path}", "run_name=dis", "model=tread",
                       "model.backbone_type=DiS-T/2", "+model.params.depth=4", "+model.params.hidden_size=32",
                       "model.params.routes.0.start_layer_idx=1", "model.params.routes.0.end_layer_idx=2",
