@@ -181,11 +181,18 @@ def check_simple(words: list):
     raise CommandError(f"unknown command {name!r}")
 
 
+def project_sources():
+    """The project's own .py files: not virtual environments (.venv, CI's .venv-ci), caches or run outputs."""
+    return [p for p in REPO.rglob("*.py")
+            if not any(part.startswith(".") or part in ("results", "build", "__pycache__")
+                       for part in p.relative_to(REPO).parts)]
+
+
 def check_env(env: dict, where: str):
     """Each variable set in front of a command is read by the code it starts."""
     if not env:
         return
-    sources = [p.read_text() for p in REPO.rglob("*.py") if p != Path(__file__)] if where == "python" \
+    sources = [p.read_text() for p in project_sources() if p != Path(__file__)] if where == "python" \
         else [(REPO / where).read_text()]
     for name in env:
         if not any(name in s for s in sources):

@@ -15,6 +15,7 @@ from PIL import Image
 
 from data.vae import SD_VAE_SCALE
 from tread_utils.errors import report_user_errors
+from tread_utils.files import ArgumentParser, positive_int
 
 # stabilityai/sd-vae-ft-ema's config.json (diffusers AutoencoderKL), keys that differ from the defaults.
 SD_VAE_CONFIG = dict(in_channels=3, out_channels=3, latent_channels=4, sample_size=256, layers_per_block=2,
@@ -39,14 +40,18 @@ def write_images(folder: Path, count: int, seed: int = 0, size: int = 256):
         Image.fromarray(pixels).save(folder / "0" / f"{i:04d}.jpg", quality=90)
 
 
-@report_user_errors
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="folder to save the VAE in (diffusers save_pretrained)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--images", help="also write random JPEGs here, in one class folder")
-    p.add_argument("--num-images", type=int, default=32)
-    args = p.parse_args(argv)
+    p.add_argument("--num-images", type=positive_int, default=32)
+    return p
+
+
+@report_user_errors
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     vae = random_sd_vae(args.seed)
     vae.save_pretrained(args.out)
     print(f"saved a random-weight SD-VAE ({sum(q.numel() for q in vae.parameters()) / 1e6:.2f}M parameters) "

@@ -16,6 +16,7 @@ import torch
 from dit import get_model
 from training.flops import training_step_flops
 from training.repa_teachers import build_teacher, teacher_forward_flops
+from tread_utils.files import ArgumentParser, positive_int
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 RESOLUTION, LATENT = 256, 32
@@ -80,12 +81,16 @@ def timing(batch: int, repeats: int) -> dict:
             "measured_teacher_share": teacher_s / step_s}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--no-timing", action="store_true", help="bytes and FLOPs only")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     torch.manual_seed(0)
     report = {**storage(), **flops(), **({} if args.no_timing else timing(args.batch, args.repeats))}
     for key, value in report.items():
