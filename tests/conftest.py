@@ -1,9 +1,12 @@
+import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -38,6 +41,33 @@ def run_script(script, *args, timeout=300, check=False):
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def compose_cfg(overrides):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def expand(sweeps):
+    """Hydra's basic sweeper: the cartesian product of every `key=a,b,range(..)` override, later keys win."""
+    parsed = {}
+    for o in OverridesParser.create().parse_overrides(list(sweeps)):
+        key = o.get_key_element()
+        parsed[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                       else [f"{key}={o.get_value_element_as_str()}"])
+    return [list(job) for job in itertools.product(*parsed.values())]
+
+
+def script_calls(script, tmp_path, **env):
+    """Run a shell script with a stand-in python that records its arguments: one list per command, and the
+    finished process (the script must not need the real interpreter)."""
+    log, fake = tmp_path / "calls", tmp_path / "fake-python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {log}\necho --- >> {log}\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / script)], env={**subprocess_env(), "PYTHON": str(fake), **env},
+                          capture_output=True, text=True, timeout=60)
+    calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()] if log.exists() else []
+    return calls, proc
 
 
 def assert_one_line_error(proc, *needles):

@@ -1,36 +1,17 @@
 """Sweep presets (configs/sweep/), the SLURM launcher preset and scripts/reproduce_digits.sh compose with
 the project's configs; a preset really launches through Hydra's multirun."""
-import itertools
 import json
-import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from conftest import REPO, run_script, subprocess_env
+from conftest import compose_cfg, expand, run_script, script_calls
 from routing_module import resolve_routes
 
 START, END, RATIO = (f"model.params.routes.0.{k}" for k in ("start_layer_idx", "end_layer_idx", "selection_ratio"))
-
-
-def compose_cfg(overrides):
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=True)
-
-
-def expand(sweeps):
-    """Hydra's basic sweeper: the cartesian product of every `key=a,b,range(..)` override, later keys win."""
-    parsed = {}
-    for o in OverridesParser.create().parse_overrides(list(sweeps)):
-        key = o.get_key_element()
-        parsed[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-                       else [f"{key}={o.get_value_element_as_str()}"])
-    return [list(job) for job in itertools.product(*parsed.values())]
 
 
 def preset_jobs(name, *command_line):
@@ -140,13 +121,8 @@ def test_slurm_launcher_preset_composes():
 
 def test_reproduce_script_runs_the_documented_sweeps(tmp_path):
     """The script with a stand-in python that records each command; every job it would launch composes."""
-    log = tmp_path / "calls"
-    fake = tmp_path / "fake-python"
-    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {log}\necho --- >> {log}\n')
-    fake.chmod(0o755)
-    env = {**subprocess_env(), "PYTHON": str(fake), "RESULTS": "res", "REPORT": "rep"}
-    subprocess.run(["bash", str(REPO / "scripts" / "reproduce_digits.sh")], env=env, check=True, timeout=60)
-    calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()]
+    calls, proc = script_calls("scripts/reproduce_digits.sh", tmp_path, RESULTS="res", REPORT="rep")
+    assert proc.returncode == 0, proc.stderr
     assert [c[0] for c in calls] == ["train.py", "train.py", "-m"]
     assert calls[2] == ["-m", "tools.report", "res/compare", "res/ratio", "--out", "rep"]
     runs = {}

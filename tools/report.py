@@ -272,7 +272,7 @@ def plot_curves(runs, out, stem, x_index):
     save(plt, fig, out, stem)
 
 
-def plot_routes(runs, out, base):
+def plot_routes(runs, out, base, stem="route_placement"):
     import matplotlib as mpl  # see new_figure
 
     rows = sorted((r for r in runs if r["route_list"] and r["final_fid"] is not None),
@@ -281,7 +281,7 @@ def plot_routes(runs, out, base):
     if not rows:
         ax.text(0.5, 0.5, "no routed run has FID records yet", ha="center", transform=ax.transAxes)
         ax.set_axis_off()
-        return save(plt, fig, out, "route_placement")
+        return save(plt, fig, out, stem)
     fids = [r["final_fid"] for r in rows] + [v for v, _ in base.values()]
     norm = mpl.colors.Normalize(min(fids), max(fids) if max(fids) > min(fids) else min(fids) + 1)
     cmap = mpl.colormaps["RdYlGn_r"]
@@ -306,7 +306,7 @@ def plot_routes(runs, out, base):
     skipped = sum(1 for r in runs if r["route_list"] and r["final_fid"] is None)
     if skipped:
         fig.text(0.01, 0.01, f"{skipped} routed run(s) without FID records not shown", fontsize=8)
-    save(plt, fig, out, "route_placement")
+    save(plt, fig, out, stem)
 
 
 def write_report(runs, out, sources, replaced):
@@ -348,24 +348,31 @@ def write_report(runs, out, sources, replaced):
     return problems
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="+", help="run directories or folders of runs (searched recursively)")
-    parser.add_argument("--out", default="report", help="output folder for report.md, report.csv and plots")
-    parser.error = lambda message: exit_with(f"{message} (usage: python -m tools.report RUN_OR_SWEEP_DIR [...] --out DIR)")
+def build_parser(description=__doc__.split("\n")[0], module="tools.report", paths_help="run directories or "
+                 "folders of runs (searched recursively)", outputs="report.md, report.csv") -> argparse.ArgumentParser:
+    """Shared by tools/study_report.py: folders of runs in, an output folder out, errors as one line."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("paths", nargs="+", help=paths_help)
+    parser.add_argument("--out", default="report", help=f"output folder for {outputs} and plots")
+    parser.error = lambda message: exit_with(f"{message} (usage: python -m {module} RUN_OR_SWEEP_DIR [...] --out DIR)")
     return parser
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    roots = [Path(p) for p in args.paths]
+def load_runs(paths):
+    """Every run under the given folders, read; a missing folder or no run at all is a one-line error."""
+    roots = [Path(p) for p in paths]
     missing = [str(p) for p in roots if not p.is_dir()]
     if missing:
         exit_with(f"not a directory: {', '.join(missing)} (give run directories or folders holding them)")
     found, replaced = find_runs(roots)
     if not found:
-        exit_with(f"no run directory (a folder with config.yaml or status.json) under {', '.join(args.paths)}")
-    runs = [read_run(name, path) for name, path in found]
+        exit_with(f"no run directory (a folder with config.yaml or status.json) under {', '.join(map(str, paths))}")
+    return [read_run(name, path) for name, path in found], replaced
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    runs, replaced = load_runs(args.paths)
     try:
         problems = write_report(runs, Path(args.out), args.paths, replaced)
     except OSError as e:

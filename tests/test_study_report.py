@@ -1,0 +1,195 @@
+"""tools/study_report.py on synthetic run dirs written as train.py writes them (config.yaml, status.json,
+metrics.jsonl with log and evaluation records): its bands and Welch p-values equal numpy/scipy on the same
+numbers, copying stops the comparison, one seed gets no band or p-value, bad input is a one-line error;
+and scripts/toy_study.sh's stages launch jobs that compose with the expected settings."""
+import csv
+import json
+
+import numpy as np
+import pytest
+import yaml
+from scipy import stats
+
+from conftest import assert_one_line_error, compose_cfg, expand, run_script, script_calls
+from tools import study_report
+from tools.report import load_runs
+
+STEPS = [250, 500, 750]
+ROUTE = "model.params.routes.0"
+
+
+def fid_of(model, seed, step):
+    return 100.0 - step / 10 + (3 if model == "dit" else 0) + [0.0, 2.5, -1.7][seed] * (1 + step / 500)
+
+
+def acc_of(model, seed, step):
+    return 0.5 + step / 2000 + 0.01 * seed + (0.02 if model == "tread" else 0) - (0.015 * seed * seed if model == "dit" else 0)
+
+
+def write_run(root, name, model="tread", seed=0, route=(2, 8, 0.5), nn=lambda step: 1.3, speed=4.0,
+              status="completed", evals=STEPS):
+    """A run dir like train.py's: config.yaml (the model section's shape), status.json, metrics.jsonl."""
+    run = root / name
+    run.mkdir(parents=True)
+    routed = model == "tread"
+    params = dict(num_classes=10, in_channels=1, input_size=16, enable_routing=routed,
+                  routes=[dict(selection_ratio=route[2], start_layer_idx=route[0], end_layer_idx=route[1])])
+    cfg = dict(run_name=root.name, global_seed=seed, train=dict(max_steps=evals[-1] if evals else 750),
+               model=dict(name=model, backbone_type="DiT-D/4", params=params), dataset=dict(name="digits"))
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "status.json").write_text(json.dumps({"status": status, "time": 1.0}))
+    lines, t = [], 1_795_469_494.0
+    for step in range(50, (evals[-1] if evals else 100) + 1, 50):
+        t += 50 / speed
+        lines.append(dict(step=step, time=t, loss=0.3, steps_per_sec=speed, world_size=1))
+        if step in evals:
+            lines.append(dict(step=step, time=t + 5, fid=fid_of(model, seed, step), class_acc=acc_of(model, seed, step),
+                              nn_ratio=nn(step), eval_seconds=5.0))
+            t += 5
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return run
+
+
+def compare_root(tmp_path, nn_tread_seed1=lambda step: 1.3):
+    root = tmp_path / "compare"
+    for model in ("dit", "tread"):
+        for seed in range(3):
+            write_run(root, f"global_seed={seed},model={model}", model, seed, speed=2.0 if model == "dit" else 3.0,
+                      nn=nn_tread_seed1 if (model, seed) == ("tread", 1) else lambda step: 1.3)
+    return root
+
+
+def read_parts(*roots):
+    runs, _ = load_runs([str(r) for r in roots])
+    for r in runs:
+        r["evals"] = study_report.evaluations(r)
+    return runs
+
+
+def study_csv(out):
+    with open(out / "study.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_bands_are_mean_and_sample_std_over_seeds(tmp_path):
+    groups = study_report.configurations(read_parts(compare_root(tmp_path)))
+    assert list(groups) == ["dit", "tread 2->8 @ 0.5"]
+    for model, members in zip(("dit", "tread"), groups.values()):
+        for metric in ("fid", "class_acc"):
+            points = study_report.band(members, metric)
+            assert [p[0] for p in points] == STEPS and all(p[4] == 3 for p in points)
+            for step, _, mean, std, _ in points:
+                by_hand = [(fid_of if metric == "fid" else acc_of)(model, s, step) for s in range(3)]
+                assert mean == pytest.approx(np.mean(by_hand)) and std == pytest.approx(np.std(by_hand, ddof=1))
+
+
+def test_welch_table_equals_scipy_and_step_cost_is_measured(tmp_path):
+    out = tmp_path / "out"
+    run_script("tools.study_report", compare_root(tmp_path), "--out", out, check=True)
+    rows = study_csv(out)
+    assert [(int(r["step"]), r["metric"]) for r in rows] == [(s, m) for s in STEPS for m in ("fid", "class_acc")]
+    for r in rows:
+        step = int(r["step"])
+        dit, tread = ([(fid_of if r["metric"] == "fid" else acc_of)(m, s, step) for s in range(3)]
+                      for m in ("dit", "tread"))
+        assert float(r["difference"]) == pytest.approx(np.mean(tread) - np.mean(dit))
+        assert float(r["routed_std"]) == pytest.approx(np.std(tread, ddof=1))
+        assert float(r["p_welch"]) == pytest.approx(stats.ttest_ind(tread, dit, equal_var=False).pvalue)
+        assert r["note"] == ""
+    md = (out / "study.md").read_text()
+    assert "| compare | tread 2->8 @ 0.5 | 3 | 3 | 1.50x |" in md  # 3.0 over 2.0 steps/s
+    assert "none: every run completed" in md
+    for stem in ("study_compare_vs_step", "study_compare_vs_time"):
+        assert (out / f"{stem}.png").stat().st_size > 0
+
+
+def test_copying_stops_the_comparison_from_that_step_on(tmp_path):
+    root = compare_root(tmp_path, nn_tread_seed1=lambda step: 0.7 if step == 500 else 1.3)
+    runs = read_parts(root)
+    groups = study_report.configurations(runs)
+    rows = study_report.welch_rows("compare", "dit", groups["dit"], "tread", groups["tread 2->8 @ 0.5"])
+    notes = {(r[3], r[4]): (r[12], r[13]) for r in rows}
+    assert notes[(250, "fid")][0] is not None and notes[(250, "fid")][1] == ""
+    for step in (500, 750):  # nn_ratio 0.7 at 500; 750 stays stopped although it recovered
+        assert notes[(step, "fid")][0] is None and notes[(step, "class_acc")][0] is None
+        assert notes[(step, "fid")][1].startswith("copying: comparison stopped")
+
+
+def test_one_seed_gets_no_band_and_no_p_value(tmp_path):
+    root = tmp_path / "ratio"
+    write_run(root, "a", "tread", 0, route=(2, 8, 0.0))
+    for seed in range(3):
+        write_run(root, f"b{seed}", "tread", seed, route=(2, 8, 0.5))
+    groups = study_report.configurations(read_parts(root))
+    assert list(groups) == ["tread 2->8 @ 0", "tread 2->8 @ 0.5"]
+    assert all(p[3] is None and p[4] == 1 for p in study_report.band(groups["tread 2->8 @ 0"], "fid"))
+    rows = study_report.welch_rows("ratio", "a", groups["tread 2->8 @ 0"], "b", groups["tread 2->8 @ 0.5"])
+    assert rows and all(r[12] is None and r[7] is None for r in rows)
+    mean, std = study_report.final_values(groups["tread 2->8 @ 0.5"], "fid")
+    finals = [fid_of("tread", s, 750) for s in range(3)]
+    assert (mean, std) == (pytest.approx(np.mean(finals)), pytest.approx(np.std(finals, ddof=1)))
+
+
+def test_placement_chart_and_unfinished_runs_are_listed(tmp_path):
+    compare = compare_root(tmp_path)
+    placement = tmp_path / "placement"
+    for s in (0, 2, 4):
+        for e in (5, 8, 10):
+            write_run(placement, f"start={s},end={e}", route=(s, e, 0.5), evals=[250, 500])
+    write_run(placement, "still_going", route=(1, 9, 0.5), status="running", evals=[250])
+    write_run(placement, "failed", route=(1, 6, 0.5), status="failed", evals=[])
+    runs = read_parts(compare, placement)
+    base = study_report.placement_baseline([r for r in runs if r["dir"].parent == placement], runs)
+    assert base == {("DiT-D/4", "digits"): (pytest.approx(np.mean([fid_of("dit", s, 500) for s in range(3)])), 3)}
+    out = tmp_path / "out"
+    run_script("tools.study_report", compare, placement, "--out", out, check=True)
+    assert (out / "study_placement_routes.png").stat().st_size > 0
+    md = (out / "study.md").read_text()
+    assert "| placement/still_going | running | 250 | 1 |" in md and "| placement/failed | failed |" in md
+
+
+@pytest.mark.parametrize("case", ["missing", "empty"])
+def test_bad_input_is_one_error_line(tmp_path, case):
+    path = tmp_path / "nothing"
+    if case == "empty":
+        path.mkdir()
+    proc = run_script("tools.study_report", path, "--out", tmp_path / "out")
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "not a directory" if case == "missing" else "no run directory")
+
+
+def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
+    results = tmp_path / "res"
+    (results / "compare").mkdir(parents=True)  # only compare has runs: the report reads only that part
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep")
+    assert proc.returncode == 0, proc.stderr
+    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 3 + [["-m", "tools.study_report"]]
+    assert calls[3][2:] == [str(results / "compare"), "--out", "rep"]
+    jobs = {}
+    for call, steps in zip(calls[:3], (3000, 1500, 1500)):
+        for job in expand(call[2:]):
+            cfg = compose_cfg(job)
+            assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples,
+                    cfg.train.ckpt_every) == (steps, 250, 512, 250)
+            assert cfg.model.backbone_type == "DiT-D/4" and cfg.dataset.name == "digits"
+            key = f"{cfg.results_dir}/{cfg.run_name}/{cfg.hydra.job.override_dirname}"
+            routes = [(r.start_layer_idx, r.end_layer_idx, r.selection_ratio) for r in cfg.model.params.routes]
+            jobs[key] = (cfg.model.name, cfg.global_seed, routes[0] if cfg.model.params.enable_routing else None)
+            assert len(routes) == (1 if cfg.model.params.enable_routing else 0)
+    part = lambda name: sorted(v for k, v in jobs.items() if k.startswith(f"{results}/{name}/"))
+    assert part("compare") == sorted([("dit", s, None) for s in range(3)] + [("tread", s, (2, 8, 0.5)) for s in range(3)])
+    assert part("placement") == sorted(("tread", 0, (s, e, 0.5)) for s in (0, 2, 4) for e in (5, 8, 10))
+    assert part("ratio") == sorted(("tread", s, (2, 8, r)) for s in range(3) for r in (0.0, 0.25, 0.5, 0.75))
+    assert len(jobs) == 6 + 9 + 12  # every run its own dir
+
+
+def test_toy_study_runs_only_the_chosen_stages(tmp_path):
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, STAGES="ratio", RATIO_STEPS="900", RESULTS="r")
+    assert proc.returncode == 0 and len(calls) == 1 and "run_name=ratio" in calls[0]
+    assert "train.max_steps=900" in calls[0]
+    (tmp_path / "bad").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "bad", STAGES="compare,ratoi")
+    assert proc.returncode == 2 and "unknown stage 'ratoi'" in proc.stderr and not calls
+    (tmp_path / "none").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "none", STAGES="report", RESULTS=str(tmp_path / "x"))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no study runs under") and not calls

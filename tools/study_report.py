@@ -1,0 +1,235 @@
+"""Issue 15's study report: mean ± std curves per configuration, a per-step Welch test of each routed
+configuration against the no-routing one, the step cost measured in the same runs, the route placement
+chart and the selection-ratio table.
+
+    python -m tools.study_report results/study/compare results/study/placement results/study/ratio --out docs/results
+
+Each given folder is one part of the study (its runs are grouped and compared only with each other).
+Runs are found and read by tools/report.py. A configuration is (model, routes, ratio); its seeds make
+the band (sample std, ddof 1) and the t-test; one seed gives a line without band and no p-value.
+Evaluations where a run of the pair has nn_ratio < 0.8 (samples closer to training digits than
+held-out digits are) are marked "copying: comparison stopped", and so is every later evaluation.
+Runs that are unfinished, failed or without records are listed, never dropped.
+"""
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+from tools import report
+from tools.report import (cell, elapsed_seconds, load_runs, md_table, new_figure, num, plot_routes, read_metrics,
+                          save)
+from tread_utils.errors import exit_with
+
+METRICS = [("fid", "FID"), ("class_acc", "class_acc"), ("nn_ratio", "nn_ratio")]
+TESTED = ["fid", "class_acc"]
+COPYING = 0.8  # nn_ratio below this: the samples copy training digits
+CSV_HEADER = ["part", "baseline", "routed", "step", "metric", "baseline_n", "baseline_mean", "baseline_std",
+              "routed_n", "routed_mean", "routed_std", "difference", "p_welch", "note"]
+
+
+def evaluations(run):
+    """{step: {"time": training seconds, metric: value}} from the run's evaluation records."""
+    try:
+        records, _ = read_metrics(run["dir"] / "metrics.jsonl")
+    except OSError:
+        return {}
+    return {r["step"]: {"time": t, **{k: num(r.get(k)) for k, _ in METRICS}}
+            for r, t in zip(records, elapsed_seconds(records)) if "fid" in r}
+
+
+def label(run):
+    return run["model"] + (f" {run['routes']} @ {run['ratio']}" if run["route_list"] else "")
+
+
+def configurations(runs):
+    """{label: [runs]}, the no-routing configuration first, then by routes and ratio."""
+    groups = {}
+    for r in sorted(runs, key=lambda r: (not r["baseline"], r["route_list"], str(r["seed"]))):
+        groups.setdefault(label(r), []).append(r)
+    return groups
+
+
+def band(members, metric):
+    """[(step, mean time, mean, std or None, n)] over the seeds that have that evaluation."""
+    steps = sorted({s for r in members for s in r["evals"]})
+    out = []
+    for s in steps:
+        points = [r["evals"][s] for r in members if s in r["evals"] and r["evals"][s][metric] is not None]
+        if points:
+            vals = np.array([p[metric] for p in points])
+            out.append((s, float(np.mean([p["time"] for p in points])), float(vals.mean()),
+                        float(vals.std(ddof=1)) if len(vals) > 1 else None, len(vals)))
+    return out
+
+
+def plot_part(part, groups, out, x_index):
+    """FID, class_acc and nn_ratio against step (x_index 0) or wall-clock (1): one line + band per configuration."""
+    plt, fig, _ = new_figure(15, 4.2)
+    fig.clf()
+    axes = fig.subplots(1, len(METRICS))
+    longest = max((e["time"] for g in groups.values() for r in g for e in r["evals"].values()), default=0)
+    scale, unit = (1.0, "") if x_index == 0 else (3600.0, "hours") if longest > 7200 else (60.0, "minutes")
+    for ax, (metric, title) in zip(axes, METRICS):
+        for name, members in groups.items():
+            points = band(members, metric)
+            if not points:
+                continue
+            x = np.array([p[x_index] for p in points]) / scale
+            mean = np.array([p[2] for p in points])
+            line, = ax.plot(x, mean, marker="o", ms=3, label=f"{name} ({len(members)} seed(s))")
+            std = np.array([np.nan if p[3] is None else p[3] for p in points])
+            if np.isfinite(std).any():
+                ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
+        if metric == "nn_ratio":
+            ax.axhline(COPYING, color="0.3", linestyle=":", linewidth=1, label=f"copying below {COPYING}")
+        ax.set(xlabel="training step" if x_index == 0 else f"training wall-clock ({unit})", ylabel=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{part}: mean ± std over seeds", fontsize=10)
+    stem = f"study_{part}_vs_{'step' if x_index == 0 else 'time'}"
+    save(plt, fig, out, stem)
+    return stem
+
+
+def welch_rows(part, base_name, base, name, routed):
+    """Per evaluation step both configurations have: means, stds, routed - baseline and Welch's p."""
+    rows, stopped = [], None
+    steps = sorted({s for r in base for s in r["evals"]} & {s for r in routed for s in r["evals"]})
+    for s in steps:
+        pair = [r["evals"][s] for r in base + routed if s in r["evals"]]
+        ratios = [e["nn_ratio"] for e in pair]
+        if stopped is None and any(v is not None and v < COPYING for v in ratios):
+            stopped = s
+        note = ("copying: comparison stopped" + (f" (at step {stopped})" if stopped != s else "")
+                if stopped is not None else "nn_ratio not logged" if None in ratios else "")
+        for metric in TESTED:
+            a = [r["evals"][s][metric] for r in base if s in r["evals"] and r["evals"][s][metric] is not None]
+            b = [r["evals"][s][metric] for r in routed if s in r["evals"] and r["evals"][s][metric] is not None]
+            p = (float(stats.ttest_ind(b, a, equal_var=False).pvalue)
+                 if stopped is None and len(a) > 1 and len(b) > 1 else None)
+            mean_a, mean_b = (statistics.mean(v) if v else None for v in (a, b))
+            std_a, std_b = (statistics.stdev(v) if len(v) > 1 else None for v in (a, b))
+            diff = mean_b - mean_a if a and b else None
+            rows.append([part, base_name, name, s, metric, len(a), mean_a, std_a, len(b), mean_b, std_b, diff, p, note])
+    return rows
+
+
+def pm(mean, std):
+    return "-" if mean is None else cell(mean) + (f" ± {cell(std)}" if std is not None else "")
+
+
+def welch_section(rows):
+    lines = []
+    for key in dict.fromkeys((r[0], r[1], r[2]) for r in rows):
+        part, base_name, name = key
+        by_step = {}
+        for r in (r for r in rows if tuple(r[:3]) == key):
+            by_step.setdefault(r[3], {})[r[4]] = r
+        table = []
+        for step, m in by_step.items():
+            cells = [step]
+            for metric in TESTED:
+                r = m[metric]
+                cells += [pm(r[6], r[7]), pm(r[9], r[10]), cell(r[11]), "-" if r[12] is None else f"{r[12]:.3g}"]
+            table.append(cells + [m[TESTED[0]][13] or ""])
+        header = ["step"] + [f"{t} {h}" for t in ("FID", "class_acc")
+                             for h in (f"{base_name} (n={m[TESTED[0]][5]})", f"{name} (n={m[TESTED[0]][8]})",
+                                       "difference", "Welch p")] + ["note"]
+        lines += [f"### {part}: {name} against {base_name}", "", md_table(header, table), ""]
+    return lines
+
+
+def step_cost(part, groups):
+    """Median steps/s per configuration and its ratio to the no-routing configuration's."""
+    medians = {n: statistics.median(v) for n, g in groups.items()
+               if (v := [r["steps_per_sec"] for r in g if r["steps_per_sec"]])}
+    base = next((n for n, g in groups.items() if g[0]["baseline"] and n in medians), None)
+    return [[part, n, len(groups[n]), cell(v), f"{v / medians[base]:.2f}x" if base else "-"] for n, v in medians.items()]
+
+
+def final_values(members, metric):
+    vals = [r["evals"][max(r["evals"])][metric] for r in members if r["evals"]]
+    vals = [v for v in vals if v is not None]
+    return (statistics.mean(vals) if vals else None, statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def placement_baseline(placement_runs, runs):
+    """The no-routing runs' mean FID at the step the placement runs ended: their budgets differ from compare's."""
+    ends = {max(r["evals"]) for r in placement_runs if r["evals"]}
+    out = {}
+    for r in runs:
+        if r["baseline"] and not r["route_list"] and ends and max(ends) in r["evals"]:
+            out.setdefault((r["backbone"], r["dataset"]), []).append(r["evals"][max(ends)]["fid"])
+    return {k: (statistics.mean(v), len(v)) for k, v in out.items() if None not in v}
+
+
+def write_study(parts, runs, out, sources, replaced=()):
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# Toy study report", "", f"Sources: {', '.join(f'`{s}`' for s in sources)}; {len(runs)} run(s).", "",
+             "Bands: mean ± sample std over seeds. Difference: routed - baseline. Welch p: "
+             "scipy.stats.ttest_ind(equal_var=False); '-' with fewer than 2 seeds on a side or after copying "
+             f"(any run of the pair with nn_ratio < {COPYING}).", ""]
+    csv_rows, cost, ratio_table = [], [], []
+    for part, members in parts.items():
+        groups = configurations(members)
+        lines += [f"## {part}", ""]
+        for x_index in (0, 1):
+            stem = plot_part(part, groups, out, x_index)
+            lines += [f"![{part} against {'step' if x_index == 0 else 'wall-clock'}]({stem}.png)", ""]
+        base = next(((n, g) for n, g in groups.items() if g[0]["baseline"] and not g[0]["route_list"]), None) or \
+            next(((n, g) for n, g in groups.items() if g[0]["baseline"]), None)
+        rows = [row for n, g in groups.items() if base and n != base[0]
+                for row in welch_rows(part, base[0], base[1], n, g)]
+        csv_rows += rows
+        lines += welch_section(rows)
+        cost += step_cost(part, groups)
+        if part == "placement" or (len(groups) > 1 and all(len(g) == 1 for g in groups.values())):
+            plot_routes(members, out, placement_baseline(members, runs), stem=f"study_{part}_routes")
+            lines += [f"![route placement](study_{part}_routes.png) (baseline: no-routing runs at the same step)", ""]
+        if len({r["ratio"] for r in members if r["route_list"]}) > 1:
+            ratio_table += [[part, n, len(g), pm(*final_values(g, "fid")), pm(*final_values(g, "class_acc")),
+                             cell(max((max(r["evals"]) for r in g if r["evals"]), default=None))] for n, g in groups.items()]
+    if ratio_table:
+        lines += ["## Selection ratio (final evaluation, mean ± std over seeds)", "",
+                  md_table(["part", "configuration", "runs", "final FID", "final class_acc", "step"], ratio_table), ""]
+    lines += ["## Step cost measured in these runs (median of the runs' median steps/s)", "",
+              md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost), ""]
+    odd = [r for r in runs if r["status"] != "completed" or not r["evals"] or r["notes"]]
+    lines += ["## Runs not complete or with problems", ""] + ([
+        md_table(["run", "status", "steps", "evaluations", "note"],
+                 [[r["run"], r["status"], cell(r["steps"]), len(r["evals"]), "; ".join(r["notes"])] for r in odd])]
+        if odd else ["none: every run completed with evaluation records"]) + [""]
+    lines += [f"Skipped {len(replaced)} run(s) moved aside by resume=false: " + ", ".join(map(str, replaced)), ""] \
+        if replaced else []
+    with open(out / "study.csv", "w", newline="") as f:
+        csv.writer(f).writerows([CSV_HEADER, *csv_rows])
+    (out / "study.md").write_text("\n".join(lines))
+
+
+def build_parser():
+    return report.build_parser(__doc__.split("\n")[0], "tools.study_report", "one folder of runs per part of the "
+                               "study (compare, placement, ratio)", "study.md, study.csv")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    runs, replaced = load_runs(args.paths)
+    roots = [Path(p).resolve() for p in args.paths]
+    parts = {}
+    for r in runs:
+        r["evals"] = evaluations(r)
+        root = next(p for p in roots if r["dir"].resolve().is_relative_to(p))
+        parts.setdefault(root.name, []).append(r)
+    try:
+        write_study(parts, runs, Path(args.out), args.paths, replaced)
+    except OSError as e:
+        exit_with(f"cannot write the report to {args.out}: {e.strerror or e}")
+    print(f"{len(runs)} run(s) in {len(parts)} part(s) -> {Path(args.out) / 'study.md'}, study.csv, plots")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
