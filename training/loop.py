@@ -132,6 +132,7 @@ def setup(cfg: DictConfig) -> Run:
     net, loss_fn, projector = build_repa(cfg.repa, model, denoiser, loss_fn)  # unchanged when REPA is off
     model.to(device)  # before the optimizer: its fused-kernel choice follows the parameters' device
     trained = list(model.parameters())
+    n_model_params = len(trained)  # the optimizer holds the model's parameters first, then the projector's
     if projector is not None:
         projector.to(device)
         loss_fn.teacher.to(device)
@@ -147,8 +148,8 @@ def setup(cfg: DictConfig) -> Run:
         ckpt.load_model_state(ema, state["ema"], source)
         load_projector(projector, state, source, is_main)
         try:
-            optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], optimizer,
-                                                          len(list(model.parameters())), "repa" in state))
+            optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], optimizer, n_model_params,
+                                                          "repa" in state))
         except (ValueError, KeyError) as e:
             raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
         step = int(state["step"])
@@ -259,7 +260,7 @@ def accumulate_gradients(run: Run, num_classes: int, drop_prob: float) -> torch.
             loss = run.loss_fn(run.net, x, y).mean()
             accelerator.backward(loss / run.accum if run.accum > 1 else loss)
         total = total + loss.detach() / run.accum
-        if getattr(run, "repa_sum", None) is not None:  # a Run with REPA on (tests pass a bare namespace)
+        if run.repa_sum is not None:  # REPA on: its alignment term, summed on the device until the next log
             run.repa_sum += run.loss_fn.last / run.accum
     return total
 
