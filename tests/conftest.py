@@ -62,7 +62,8 @@ def script_calls(script, tmp_path, **env):
     """Run a shell script with a stand-in python that records its arguments: one list per command, and the
     finished process (the script must not need the real interpreter)."""
     log, fake = tmp_path / "calls", tmp_path / "fake-python"
-    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {log}\necho --- >> {log}\n')
+    # one locked append per call: scripts that run jobs in parallel must not interleave their records
+    fake.write_text(f'#!/usr/bin/env bash\nexec 9>> {log}\nflock 9\nprintf "%s\\n" "$@" --- >&9\n')
     fake.chmod(0o755)
     proc = subprocess.run(["bash", str(REPO / script)], env={**subprocess_env(), "PYTHON": str(fake), **env},
                           capture_output=True, text=True, timeout=60)

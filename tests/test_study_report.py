@@ -158,15 +158,12 @@ def test_bad_input_is_one_error_line(tmp_path, case):
     assert_one_line_error(proc, "not a directory" if case == "missing" else "no run directory")
 
 
-def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
-    results = tmp_path / "res"
-    (results / "compare").mkdir(parents=True)  # only compare has runs: the report reads only that part
-    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep")
-    assert proc.returncode == 0, proc.stderr
-    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 3 + [["-m", "tools.study_report"]]
-    assert calls[3][2:] == [str(results / "compare"), "--out", "rep"]
+def study_jobs(calls, results):
+    """{run dir: (model, seed, route or None)} of every job the script's train.py calls launch, each job's
+    settings checked against the issue's (compare 3000 steps, placement and ratio 1500, eval every 250)."""
     jobs = {}
-    for call, steps in zip(calls[:3], (3000, 1500, 1500)):
+    for call in calls:
+        steps = {"compare": 3000}.get(next(a for a in call if a.startswith("run_name=")).split("=")[1], 1500)
         for job in expand(call[2:]):
             cfg = compose_cfg(job)
             assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples,
@@ -174,13 +171,38 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
             assert cfg.model.backbone_type == "DiT-D/4" and cfg.dataset.name == "digits"
             key = f"{cfg.results_dir}/{cfg.run_name}/{cfg.hydra.job.override_dirname}"
             routes = [(r.start_layer_idx, r.end_layer_idx, r.selection_ratio) for r in cfg.model.params.routes]
+            assert key not in jobs and len(routes) == (1 if cfg.model.params.enable_routing else 0)
             jobs[key] = (cfg.model.name, cfg.global_seed, routes[0] if cfg.model.params.enable_routing else None)
-            assert len(routes) == (1 if cfg.model.params.enable_routing else 0)
+    return jobs
+
+
+def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
+    results = tmp_path / "res"
+    (results / "compare").mkdir(parents=True)  # only compare has runs: the report reads only that part
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep")
+    assert proc.returncode == 0, proc.stderr
+    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 3 + [["-m", "tools.study_report"]]
+    assert calls[3][2:] == [str(results / "compare"), "--out", "rep"]
+    jobs = study_jobs(calls[:3], results)
     part = lambda name: sorted(v for k, v in jobs.items() if k.startswith(f"{results}/{name}/"))
     assert part("compare") == sorted([("dit", s, None) for s in range(3)] + [("tread", s, (2, 8, 0.5)) for s in range(3)])
     assert part("placement") == sorted(("tread", 0, (s, e, 0.5)) for s in (0, 2, 4) for e in (5, 8, 10))
     assert part("ratio") == sorted(("tread", s, (2, 8, r)) for s in range(3) for r in (0.0, 0.25, 0.5, 0.75))
     assert len(jobs) == 6 + 9 + 12  # every run its own dir
+
+
+def test_parallel_workers_launch_the_same_runs_one_job_per_call(tmp_path):
+    results = str(tmp_path / "res")
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=results, STAGES="compare,placement,ratio")
+    (tmp_path / "jobs2").mkdir()
+    split, proc2 = script_calls("scripts/toy_study.sh", tmp_path / "jobs2", RESULTS=results, JOBS="2",
+                                STAGES="compare,placement,ratio")
+    assert proc.returncode == 0 and proc2.returncode == 0, proc2.stderr
+    assert len(split) == 27 and all(len(expand(c[2:])) == 1 for c in split)
+    assert study_jobs(split, results) == study_jobs(calls, results)  # the same run dirs as the whole sweeps
+    (tmp_path / "bad").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "bad", JOBS="two")
+    assert proc.returncode == 2 and "JOBS=two is not a positive integer" in proc.stderr and not calls
 
 
 def test_toy_study_runs_only_the_chosen_stages(tmp_path):
