@@ -18,8 +18,7 @@
 #   JOBS=2 scripts/toy_study.sh                           # 2 runs at a time, each on nproc/JOBS threads
 #
 # JOBS > 1 launches each job of a stage's sweep as its own one-job multirun (the same run dir as in the
-# whole sweep), spread round-robin over JOBS workers; OMP_NUM_THREADS defaults to nproc / JOBS. On a
-# 2-core machine two 1-thread runs make more steps per second in all than one 2-thread run.
+# whole sweep), spread round-robin over JOBS workers; OMP_NUM_THREADS defaults to nproc / JOBS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

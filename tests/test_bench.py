@@ -5,6 +5,7 @@ name this repo also uses), a `DiT_models` registry, a DiT whose forward calls
 `router.get_mask(x, mask_ratio=...)` and a Router whose get_mask only takes `selection_rate`, the
 mismatch of the published files."""
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_script, save_tiny_vae
 from dit import get_model  # imported before the stand-in, as in bench.py (the stand-in builds on it)
 from tread_utils.errors import UserError
 from tools.bench import paper_output_difference
@@ -116,21 +117,51 @@ def test_a_paper_code_computing_another_function_is_detected(tmp_path):
     assert paper_output_difference(perturbed, "DiT-T/8") > 1e-2
 
 
-def test_bench_evaluation_sections_run_end_to_end(tmp_path):
+def test_bench_suite_section_runs_the_evaluator_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
-    run_script("tools.bench", "--backbones", "DiT-T/8", "--sections", "suite", "metrics", "fid",
-               "--suite-samples", "8", "--suite-ref", "4", "--suite-batch", "4", "--tmp-dir", tmp_path,
-               "--fid-samples", "2", "--fid-steps", "2", "--fid-batch", "2", "--out", out, check=True, timeout=600)
-    result = json.loads(out.read_text())
-    suite, = result["suite"]
+    run_script("tools.bench", "--backbones", "DiT-T/8", "--sections", "suite", "--suite-samples", "8",
+               "--suite-ref", "4", "--suite-batch", "4", "--tmp-dir", tmp_path, "--out", out, check=True, timeout=600)
+    suite, = json.loads(out.read_text())["suite"]
     assert suite["samples"] == 8 and suite["seconds"] > 0 and suite["peak_host_mb"] > 100
+    assert list(tmp_path.glob("tmp*")) == []  # the random batches are removed
+    assert "ADM suite" in out.with_suffix(".md").read_text()
+
+
+def test_bench_metric_and_fid_sections_time_each_stage(tmp_path, monkeypatch, capsys):
+    """The metrics and fid sections in-process, with the 2048 x 2048 matrix square roots (half a minute each
+    on 2 cores; the real ones run in the suite test above and in test_evaluator_cli) replaced by recorders.
+    The metric stage's child-process code is executed as written; the fid section decodes with a tiny VAE
+    folder through the real loading code."""
+    from tools import bench, bench_evaluation
+
+    seen = {}
+    monkeypatch.setattr(bench_evaluation, "metrics_from_features", lambda feats, ref, device: seen.update(
+        metrics=(feats["pool"].shape, feats["logits"].shape, ref["pool"].shape, ref["sigma"].shape)))
+    monkeypatch.setattr(bench_evaluation, "frechet_distance",
+                        lambda mu1, sigma1, mu2, sigma2: seen.update(fid=(mu1.shape, sigma2.shape)) or 0.0)
+
+    def child(cmd, **kwargs):
+        assert cmd[:2] == [sys.executable, "-c"]
+        capsys.readouterr()
+        exec(cmd[2], {})  # the code the child process would run; it prints the stage's JSON line
+        return subprocess.CompletedProcess(cmd, 0, capsys.readouterr().out, "")
+
+    monkeypatch.setattr(bench_evaluation.subprocess, "run", child)
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--backbones", "DiT-T/8", "--sections", "metrics", "fid",
+                                      "--suite-samples", "8", "--suite-ref", "4", "--fid-samples", "2",
+                                      "--fid-steps", "2", "--fid-batch", "2",
+                                      "--vae", save_tiny_vae(tmp_path / "vae", 64), "--out", str(out)])
+    bench.main()
+    assert seen == {"metrics": ((8, 2048), (8, 1008), (4, 2048), (2048, 2048)), "fid": ((2048,), (2048, 2048))}
+    result = json.loads(out.read_text())
     metrics, = result["metrics"]
-    assert metrics["samples"] == 8 and metrics["peak_host_mb"] > 100
+    assert metrics["samples"] == 8 and metrics["reference"] == 4 and metrics["peak_host_mb"] > 100
     fid, = result["fid"]
     assert fid["samples"] == 2 and min(fid[k] for k in ("sampling_s", "decoding_s", "features_s")) > 0
     assert fid["seconds"] >= fid["sampling_s"] + fid["decoding_s"] + fid["features_s"]
-    assert list(tmp_path.glob("tmp*")) == []  # the random batches are removed
-    assert "ADM suite" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "ADM metric stage alone" in md and "In-training FID" in md
 
 
 @pytest.mark.parametrize("make_bad, needle", [
