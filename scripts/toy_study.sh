@@ -15,10 +15,11 @@
 #   STAGES=compare scripts/toy_study.sh                   # find the window before copying first
 #   STAGES=placement,ratio,report PLACEMENT_STEPS=1000 RATIO_STEPS=1000 scripts/toy_study.sh
 #   scripts/toy_study.sh train.mixed_precision=bf16       # extra overrides go to every train.py run
-#   JOBS=2 scripts/toy_study.sh                           # 2 runs at a time, each on nproc/JOBS threads
+#   JOBS=2 scripts/toy_study.sh                           # 2 runs at a time, each on nproc / JOBS threads
 #
 # JOBS > 1 launches each job of a stage's sweep as its own one-job multirun (the same run dir as in the
-# whole sweep), spread round-robin over JOBS workers; OMP_NUM_THREADS defaults to nproc / JOBS.
+# whole sweep), spread round-robin over JOBS workers, each with train.cpu_threads = nproc / JOBS (not part of
+# the run dir's name; a later override on the command line wins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,9 +35,9 @@ PYTHON=${PYTHON:-python}
 JOBS=${JOBS:-1}
 EXTRA=("$@")
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "error: JOBS=$JOBS is not a positive integer (e.g. JOBS=2)" >&2; exit 2; }
-if (( JOBS > 1 )); then
+if (( JOBS > 1 )); then  # train.py sets its own threads (train.cpu_threads, auto = all cores): share them
   threads=$(( $(nproc) / JOBS ))
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
+  EXTRA=("train.cpu_threads=$(( threads > 0 ? threads : 1 ))" "${EXTRA[@]}")
 fi
 
 for stage in ${STAGES//,/ }; do

@@ -4,6 +4,7 @@ numbers, copying stops the comparison, one seed gets no band or p-value, bad inp
 and scripts/toy_study.sh's stages launch jobs that compose with the expected settings."""
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -199,6 +200,8 @@ def test_parallel_workers_launch_the_same_runs_one_job_per_call(tmp_path):
                                 STAGES="compare,placement,ratio")
     assert proc.returncode == 0 and proc2.returncode == 0, proc2.stderr
     assert len(split) == 27 and all(len(expand(c[2:])) == 1 for c in split)
+    threads = max(1, (os.cpu_count() or 1) // 2)  # train.py would take every core in each of the two
+    assert all(f"train.cpu_threads={threads}" in c for c in split)
     assert study_jobs(split, results) == study_jobs(calls, results)  # the same run dirs as the whole sweeps
     (tmp_path / "bad").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "bad", JOBS="two")
