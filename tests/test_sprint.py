@@ -160,3 +160,63 @@ def test_path_drop_guidance_weak_branch_is_the_model_with_its_path_dropped():
         build_guided_net(EDMPrecond(get_model("DiT-T/2", dict(num_classes=10, in_channels=1, input_size=16,
                                                               enable_routing=False, depth=2))),
                          {"path_drop_guidance": {"scale": 1.5}})
+
+
+def test_in_training_eval_scores_path_drop_guidance_and_refuses_it_without_sprint_routes(tmp_path):
+    """`train.eval.path_drop_scales=[w]` adds fid_pdg<w> (and its grid) scored on the PDG-guided samples: the
+    same seeds sampled through build_guided_net with that scale and the guidance interval give the same FID."""
+    from accelerate import Accelerator
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from conftest import REPO, tiny_overrides
+    from evaluations.features import compute_features
+    from generation import build_guided_net, generate
+    from training.config_check import check_train_config
+    from training.diffuser import build_denoiser
+    from training.in_training_eval import TrainingEvaluator
+
+    def cfg_of(*overrides):
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            return compose("config", overrides=[*tiny_overrides("tread"), "train.eval.eval_interval=20",
+                                                "train.eval.fid_num_samples=128", *overrides])
+
+    with pytest.raises(UserError, match=r"train.eval.path_drop_scales=\[1.5\] is not allowed.*SPRINT"):
+        check_train_config(cfg_of("train.eval.path_drop_scales=[1.5]"))
+    with pytest.raises(UserError, match="guidance_interval"):
+        check_train_config(cfg_of("train.eval.guidance_interval=[2,1]"))
+    cfg = cfg_of("model.params.routes.0.fusion=sprint", "train.eval.path_drop_scales=[2]",
+                 "train.eval.guidance_interval=[0.5,5]", "train.eval.sampler.num_steps=3")
+    check_train_config(cfg)  # accepted (train.py then runs on the composed config, as here)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    for p in model.parameters():  # carry signal through every block, so the deep path matters
+        torch.nn.init.normal_(p, std=0.05)
+    net = build_denoiser(cfg.diffuser, model).eval()
+    evaluator = TrainingEvaluator(cfg, accelerator, tmp_path)
+    metrics = evaluator(net, 20)
+    assert {"fid", "fid_pdg2", "class_acc_pdg2", "nn_ratio_pdg2"} <= set(metrics)
+    assert metrics["fid_pdg2"] != metrics["fid"]
+    assert (tmp_path / "samples" / "step_00000020_pdg2.png").exists()
+    assert evaluator.last_grid == tmp_path / "samples" / "step_00000020.png"
+    guided = build_guided_net(net, {"path_drop_guidance": {"scale": 2.0}, "guidance_interval": [0.5, 5]})
+    images, labels = generate(guided, evaluator.seeds, sampler_kwargs=evaluator.sampler_kwargs,
+                              decoder=evaluator.decoder, batch_size=evaluator.batch_size, progress=False)
+    feats = compute_features(evaluator.extractor, images, keys=("pool", "spatial", "logits"), stats_keys=("spatial",))
+    assert evaluator.score(feats, images, labels)["fid"] == pytest.approx(metrics["fid_pdg2"], rel=1e-5)
+
+
+def test_flop_report_counts_path_drop_guidance_against_cfg():
+    from training.flops import architecture, block_forward_flops, format_report, guidance_flops, \
+        routing_flop_report, sampling_forward_flops
+
+    params = dict(num_classes=10, in_channels=4, input_size=32, enable_routing=True, routes=[SPRINT])
+    full, weak = sampling_forward_flops("DiT-T/4", params), sampling_forward_flops("DiT-T/4", params, True)
+    report = routing_flop_report("DiT-T/4", params, 1)
+    assert report["cfg_step_flops"] == 2 * full and report["pdg_step_flops"] == full + weak
+    a = architecture("DiT-T/4", params)
+    n, width = a["num_tokens"], a["hidden_size"]  # the weak pass: blocks 2 and 3 skipped, the 2C -> C fusion run
+    assert weak == pytest.approx(full - 2 * block_forward_flops(a, n) + 2 * n * 2 * width * width, rel=0.02)
+    assert "path-drop" in format_report("DiT-T/4", report, 1)
+    assert guidance_flops("DiT-T/4", dict(params, routes=[route(2, 3, 0.75)])) == {}  # no sprint route: no line

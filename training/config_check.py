@@ -155,6 +155,10 @@ RANGES = [
     ("train.eval.seed", at_least(0), ">= 0", "e.g. train.eval.seed=100000"),
     ("train.eval.cfg_scales", lambda v: len(v) >= 1 and all(s is None or s >= 0 for s in v),
      "a non-empty list of scales >= 0 or null (1 and null: unguided)", "e.g. train.eval.cfg_scales=[null,1.5]"),
+    ("train.eval.path_drop_scales", lambda v: all(s is not None and s >= 0 for s in v),
+     "a list of path-drop guidance scales >= 0 (empty: none)", "e.g. train.eval.path_drop_scales=[1.5]"),
+    ("train.eval.guidance_interval", lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
+     "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi", "e.g. train.eval.guidance_interval=[0.3,2.9]"),
     ("dataset.quantize", lambda v: v in S.QUANTIZE, f"one of {', '.join(S.QUANTIZE)}", "e.g. dataset.quantize=truncate"),
     ("diffuser.name", lambda v: v in S.DIFFUSER_NAMES, f"one of {', '.join(S.DIFFUSER_NAMES)}", "e.g. diffuser=edm"),
     ("diffuser.P_std", lambda v: v > 0, "> 0", "e.g. diffuser.P_std=1.2"),
@@ -227,6 +231,12 @@ def check_cross(cfg, world_size: int):
         raise refuse("train.eval.cfg_scales", list(e.cfg_scales), "[null] when train.general.class_drop_prob=0 "
                      "(a model trained without class dropout has no unconditional mode)",
                      "e.g. train.eval.cfg_scales=[null]")
+    sprint = cfg.model.params.enable_routing and any((r.get("fusion") or "none") == "sprint"
+                                                     for r in cfg.model.params.get("routes") or [])
+    if e.eval_interval > 0 and e.path_drop_scales and not sprint:
+        raise refuse("train.eval.path_drop_scales", list(e.path_drop_scales), "[] for a model without SPRINT routes "
+                     "(path-drop guidance drops their deep path)", "e.g. model.params.routes.0.fusion=sprint, or "
+                     "train.eval.path_drop_scales=[]")
     if cfg.model.params.num_classes != cfg.dataset.num_classes:
         raise refuse("model.params.num_classes", cfg.model.params.num_classes,
                      f"dataset.num_classes={cfg.dataset.num_classes}", "remove the override")

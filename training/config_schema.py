@@ -187,6 +187,10 @@ class EvalSchema:
     inception_weights: Optional[str] = key("Inception weights file (null: $TREAD_INCEPTION_WEIGHTS / cache)")
     cfg_scales: List[Optional[float]] = key("guidance scales to evaluate, each >= 0 (1 or null: unguided)",
                                             factory=lambda: [None])
+    path_drop_scales: List[float] = key("SPRINT path-drop guidance scales to evaluate, each >= 0 (sprint routes)",
+                                        factory=list)
+    guidance_interval: Optional[List[float]] = key("[sigma_lo, sigma_hi]: guidance only inside (null: everywhere)",
+                                                   None)
     fp32: bool = key("evaluate in fp32 whatever train.mixed_precision", False)
 
 

@@ -44,6 +44,18 @@ def training_step_flops(backbone_type: str, params: dict, batch_size: int, routi
     return counter.get_total_flops()
 
 
+def sampling_forward_flops(backbone_type: str, params: dict, drop_deep_path: bool = False) -> int:
+    """FLOPs of one network evaluation of one sample at inference (no token dropped), measured;
+    `drop_deep_path`: path-drop guidance's weak branch (the deep path of every SPRINT route skipped)."""
+    with torch.device("meta"):
+        model = get_model(backbone_type, params).to("meta").eval()
+    C, H = params["in_channels"], params["input_size"]
+    x, t = torch.randn(1, C, H, H, device="meta"), torch.randn(1, device="meta")
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x, t, torch.zeros(1, dtype=torch.long, device="meta"), drop_deep_path=drop_deep_path)
+    return counter.get_total_flops()
+
+
 def tokens_per_block(depth: int, num_tokens: int, routes, routing: bool = True, step: Optional[int] = None) -> list:
     counts = [num_tokens] * depth
     for r in (routes if routing else []):
@@ -124,6 +136,7 @@ def routing_flop_report(backbone_type: str, params: dict, batch_size: int, repa:
             "tokens_per_block": tokens_per_block(a["depth"], a["num_tokens"],
                                                  resolve_routes(params.get("routes"), a["depth"])),
             **schedule_end_flops(backbone_type, params, batch_size),
+            **guidance_flops(backbone_type, params),
             **repa_flops(backbone_type, params, batch_size, repa, dataset_kind)}
 
 
@@ -148,6 +161,16 @@ def repa_flops(backbone_type: str, params: dict, batch_size: int, repa: Optional
             "repa_teacher_flops": teacher_forward_flops(repa["encoder"], batch_size, channels, resolution)}
 
 
+def guidance_flops(backbone_type: str, params: dict) -> dict:
+    """With SPRINT routes: one guided sampling step of one sample under classifier-free guidance (two full
+    passes) and under path-drop guidance (a full pass and one without the deep paths)."""
+    routes = resolve_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
+    if not any(r.fusion == "sprint" for r in routes):
+        return {}
+    full = sampling_forward_flops(backbone_type, params)
+    return {"cfg_step_flops": 2 * full, "pdg_step_flops": full + sampling_forward_flops(backbone_type, params, True)}
+
+
 def schedule_end_flops(backbone_type: str, params: dict, batch_size: int) -> dict:
     """With a ratio schedule, the routed step's FLOPs at its end (the report's other counts are at its start)."""
     routes = resolve_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
@@ -170,6 +193,10 @@ def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
                 f"\n  ratio schedule: routed {r['flops_per_step_routed'] / 1e9:.2f} G per step at its start, "
                 f"{r['flops_per_step_routed_end'] / 1e9:.2f} G from step {r['schedule_end_step']} on"
                 if "schedule_end_step" in r else "") + (
+                f"\n  guidance per sample and sampling step: classifier-free {r['cfg_step_flops'] / 1e9:.3f} G, "
+                f"path-drop {r['pdg_step_flops'] / 1e9:.3f} G ({r['pdg_step_flops'] / r['cfg_step_flops']:.1%} of it: "
+                f"the weak pass skips the deep path)"
+                if "pdg_step_flops" in r else "") + (
                 f"\n  REPA: projector {r['repa_projector_flops'] / 1e9:.3f} G (forward + backward over the "
                 f"{r['repa_tokens']} tokens after block {r['repa_block']}), {r['repa_encoder']} teacher forward "
                 f"{r['repa_teacher_flops'] / 1e9:.3f} G per step: {r['repa_projector_flops'] / routed:.1%} and "

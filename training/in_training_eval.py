@@ -6,7 +6,9 @@ process, log the numbers and save a sample grid (one row per class, the metrics 
 As in the authors' code, the seeds start at 100000 (`train.eval.seed`), `train.eval.cfg_scales` is a list
 with one FID per scale (null or 1 = unguided, logged as `fid`; a guided scale s as `fid_cfg<s>`, e.g.
 `fid_cfg1.5`, and likewise for the other metrics), and sampling runs under the run's mixed precision
-(`train.eval.fp32=true` samples in float32 instead).
+(`train.eval.fp32=true` samples in float32 instead). A model with SPRINT routes is also scored with
+path-drop guidance at each of `train.eval.path_drop_scales` (`fid_pdg<w>`); `train.eval.guidance_interval`
+limits both kinds of guidance to a range of noise levels.
 
 The embedded digits use the same pipeline at toy scale: a small CNN classifier shipped in
 `evaluations/` stands in for Inception and the held-out split is the reference. ImageNet latents are
@@ -62,7 +64,15 @@ class TrainingEvaluator:
         self.batch_size = int(e.batch_size)
         self.seeds = range(int(e.seed), int(e.seed) + self.num_samples)
         # typed and checked by training.config_check; build_guided_net refuses guidance without class dropout
-        self.cfg_scales = [1.0 if scale is None else float(scale) for scale in e.get("cfg_scales", [None])]
+        cfg_scales = [1.0 if scale is None else float(scale) for scale in e.get("cfg_scales", [None])]
+        interval = e.get("guidance_interval")
+        interval = None if interval is None else list(interval)
+        # (metric suffix, guidance options): the first one's grid is the run's closing grid
+        self.guidance = [("" if s == 1.0 else f"_cfg{s:g}", {"cfg_scale": s, "guidance_interval": interval})
+                         for s in cfg_scales]
+        self.guidance += [(f"_pdg{float(w):g}", {"path_drop_guidance": {"scale": float(w)},
+                                                  "guidance_interval": interval})
+                          for w in e.get("path_drop_scales", [])]
         self.class_drop_prob = float(cfg.train.general.class_drop_prob)
         self.fp32 = bool(e.get("fp32", False))
         self.sampler_kwargs = dict(e.sampler)
@@ -86,8 +96,8 @@ class TrainingEvaluator:
         """Runs on every process; returns the metrics on the main process and {} elsewhere."""
         t0 = time.time()
         metrics = {}
-        for scale in self.cfg_scales:
-            guided = build_guided_net(net, {"cfg_scale": scale}, class_drop_prob=self.class_drop_prob)
+        for suffix, options in self.guidance:
+            guided = build_guided_net(net, options, class_drop_prob=self.class_drop_prob)
             precision = contextlib.nullcontext() if self.fp32 else self.accelerator.autocast()
             with precision:
                 share, share_labels, rows = generate(guided, self.seeds, sampler_kwargs=self.sampler_kwargs,
@@ -99,16 +109,14 @@ class TrainingEvaluator:
             world, rank = self.accelerator.num_processes, self.accelerator.process_index
             whole, _ = gather_rows({"images": share, "labels": share_labels}, rows, world, rank)
             if self.accelerator.is_main_process:
-                suffix = "" if scale == 1.0 else f"_cfg{scale:g}"
                 images, labels = whole["images"], whole["labels"]
                 scores = self.score(feats, images, labels)
                 metrics.update({f"{k}{suffix}": v for k, v in scores.items()})
                 self.samples_dir.mkdir(parents=True, exist_ok=True)
                 grid = save_image_grid(self.samples_dir / f"step_{step:08d}{suffix}.png", images, labels,
                                        num_classes=getattr(net, "num_classes", None),
-                                       caption=f"step {step}{' cfg ' + format(scale, 'g') if suffix else ''}: "
-                                               f"{format_metrics(scores)}")
-                if scale == self.cfg_scales[0]:
+                                       caption=f"step {step}{suffix.replace('_', ' ')}: {format_metrics(scores)}")
+                if suffix == self.guidance[0][0]:
                     self.last_grid = grid
         if self.accelerator.is_main_process:
             metrics["eval_seconds"] = time.time() - t0
