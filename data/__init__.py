@@ -12,20 +12,21 @@ from tread_utils.errors import UserError
 
 # dataset.kind -> the training dataset for a `dataset` config
 DATASETS = {
-    "digits": lambda d, seed: DigitsDataset("train", resolution=d.input_size),
-    "shards": lambda d, seed: LatentShardDataset(d.train_path, in_channels=d.in_channels, input_size=d.input_size,
-                                                 num_classes=d.num_classes, scale_factor=d.get("scale_factor"),
-                                                 random_flip=d.get("random_flip", False),
-                                                 posterior_sampling=d.get("posterior_sampling", False), seed=seed),
+    "digits": lambda d, seed, images: DigitsDataset("train", resolution=d.input_size),
+    "shards": lambda d, seed, images: LatentShardDataset(
+        d.train_path, in_channels=d.in_channels, input_size=d.input_size, num_classes=d.num_classes,
+        scale_factor=d.get("scale_factor"), random_flip=d.get("random_flip", False),
+        posterior_sampling=d.get("posterior_sampling", False), seed=seed, with_images=images),
 }
 
 
-def build_dataset(dataset_cfg, seed: int = 0):
-    """The training dataset named by the `dataset` config group."""
+def build_dataset(dataset_cfg, seed: int = 0, teacher_images: bool = False):
+    """The training dataset named by the `dataset` config group. `teacher_images`: latent samples also carry
+    their clean image (REPA's teacher); the digits are their own images, so it changes nothing there."""
     kind = dataset_cfg.kind
     if kind not in DATASETS:
         raise UserError(f"unknown dataset.kind {kind!r}; choose one of {', '.join(DATASETS)}")
-    return DATASETS[kind](dataset_cfg, seed)
+    return DATASETS[kind](dataset_cfg, seed, teacher_images)
 
 
 __all__ = ["DATASETS", "DigitsDataset", "LatentShardDataset", "ResumableBatchSampler", "build_dataset"]

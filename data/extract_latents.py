@@ -12,11 +12,14 @@ crop, is converted to RGB and encoded together with its horizontal flip; the sto
 moments, float16 [2, 2C, h, w] = [original|flipped, mean channels + logvar channels, h, w], unscaled
 (multiply samples by 0.18215). Shard format (webdataset, the layout of the official TREAD code):
     latents-000123.tar:  <key>.latent.npy  (np.save bytes of that array)   <key>.cls  (ascii int label)
+                         [<key>.png  (with --images: the centre crop itself, lossless, unflipped)]
 with key = the image's 8-digit index in the sorted item list. Item i belongs to shard i // shard_size and
 shard k is written only by rank k % world_size, to `<name>.tar.partial`, renamed when complete, after its
 done-marker `.progress/<name>.json` (count, bytes, skipped files). A re-run skips complete shards, so an
 interrupted run is resumed by running the same command again. Rank 0 writes manifest.json at the end.
-Unreadable images are skipped and listed in the manifest and the summary.
+Unreadable images are skipped and listed in the manifest and the summary. `--images` also stores each crop,
+for a teacher computed online from the clean image (REPA on latents: README, REPA); the trainer flips it
+with its latent.
 """
 import argparse
 import hashlib
@@ -89,7 +92,7 @@ def list_items(source):
 
 
 class _Images(torch.utils.data.Dataset):
-    """(image float [3, R, R] in [-1, 1], label, index, error) - error is '' or why the file was skipped."""
+    """(centre crop uint8 [R, R, 3], label, index, error) - error is '' or why the file was skipped."""
 
     def __init__(self, items, resolution):
         self.items, self.resolution = items, resolution
@@ -102,10 +105,10 @@ class _Images(torch.utils.data.Dataset):
         try:
             with Image.open(path) as im:
                 arr = center_crop_arr(im.convert("RGB"), self.resolution)
-            x = torch.from_numpy(np.array(arr)).permute(2, 0, 1).float() / 127.5 - 1.0
-            return x, label, index, ""
+            return torch.from_numpy(np.array(arr, dtype=np.uint8)), label, index, ""
         except Exception as e:  # any decode failure (PIL raises many types) means: skip this file
-            return torch.zeros(3, self.resolution, self.resolution), label, index, f"{type(e).__name__}: {e}"[:300]
+            error = f"{type(e).__name__}: {e}"[:300]
+            return torch.zeros(self.resolution, self.resolution, 3, dtype=torch.uint8), label, index, error
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -157,11 +160,16 @@ class ShardWriter:
         info.size, info.mode, info.mtime = len(data), 0o444, 0
         self._tar.addfile(info, io.BytesIO(data))
 
-    def add(self, key, latent, label):
+    def add(self, key, latent, label, image=None):
+        """image: the crop, uint8 [R, R, 3], stored as `<key>.png` (None: none stored)."""
         buf = io.BytesIO()
         np.save(buf, latent, allow_pickle=False)
         self._member(f"{key}.latent.npy", buf.getvalue())
         self._member(f"{key}.cls", str(int(label)).encode("ascii"))
+        if image is not None:
+            png = io.BytesIO()
+            Image.fromarray(np.asarray(image)).save(png, format="PNG")
+            self._member(f"{key}.png", png.getvalue())
         self.count += 1
         self.class_counts[str(int(label))] = self.class_counts.get(str(int(label)), 0) + 1
 
@@ -195,7 +203,7 @@ def prepare_output(out, plan):
     progress = os.path.join(out, PROGRESS_DIR)
     old = _read_json(os.path.join(progress, "plan.json"))
     if old is not None and old != plan:
-        diff = ", ".join(f"{k}: {old.get(k)!r} -> {plan.get(k)!r}" for k in plan if old.get(k) != plan.get(k))
+        diff = ", ".join(f"{k}: {old.get(k)!r} -> {plan.get(k)!r}" for k in {**old, **plan} if old.get(k) != plan.get(k))
         raise UserError(f"output folder {out} holds an extraction with other settings ({diff}); "
                         f"use a new output folder or the same settings to resume")
     if old is None:
@@ -226,7 +234,7 @@ def write_manifest(out, plan=None):
                 "vae": plan["vae"], "scale_factor": SD_VAE_SCALE, "scaled": False,
                 "resolution": plan["resolution"], "latent_shape": plan["latent_shape"], "latent_dtype": "float16",
                 "layout": plan["layout"], "source": plan["source"], "shard_size": plan["shard_size"],
-                "shards": shards, "skipped": skipped}
+                "shards": shards, "skipped": skipped, **({"images": plan["images"]} if plan.get("images") else {})}
     _write_json(os.path.join(out, "manifest.json"), manifest)
     return manifest
 
@@ -241,17 +249,21 @@ def _summary(out, manifest):
         print(f"  ... {len(skipped) - 20} more in manifest.json", flush=True)
 
 
-def _default_shard_size(sample_shape):
+def _default_shard_size(sample_shape, image_bytes=0):
+    """image_bytes: an upper bound of a stored crop (its raw size; PNG stores less), 0 without images."""
     npy = 128 + 2 * int(np.prod(sample_shape))
     per_sample = 512 + -(-npy // 512) * 512 + 1024  # tar headers + padded .npy + padded .cls
+    per_sample += 512 + image_bytes if image_bytes else 0
     return max(1, TARGET_SHARD_BYTES // per_sample)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Extraction
 
-def make_plan(source, *, resolution, vae_id, latent_channels, factor, shard_size=None, max_images=None):
-    """(plan dict, items [(index, path, label)], root) - identical on every rank."""
+def make_plan(source, *, resolution, vae_id, latent_channels, factor, shard_size=None, max_images=None,
+              images=False):
+    """(plan dict, items [(index, path, label)], root) - identical on every rank. `images`: the crops are stored
+    too (recorded in the plan only then, so plans of earlier extractions still match)."""
     if resolution <= 0 or resolution % factor:
         raise UserError(f"--resolution {resolution} must be a positive multiple of the VAE's factor {factor}")
     items, classes, root = list_items(source)
@@ -262,7 +274,7 @@ def make_plan(source, *, resolution, vae_id, latent_channels, factor, shard_size
         items = [items[i] for i in keep]
     h = resolution // factor
     shape = [2, 2 * latent_channels, h, h]
-    shard_size = shard_size or _default_shard_size(shape)
+    shard_size = shard_size or _default_shard_size(shape, resolution * resolution * 3 if images else 0)
     if shard_size <= 0:
         raise UserError(f"--shard-size must be positive, got {shard_size}")
     digest = hashlib.sha1("".join(f"{os.path.relpath(p, root)}\t{y}\n" for p, y in items).encode()).hexdigest()
@@ -271,18 +283,21 @@ def make_plan(source, *, resolution, vae_id, latent_channels, factor, shard_size
             "num_shards": -(-len(items) // shard_size),
             "num_classes": len(classes) if classes is not None else max(y for _, y in items) + 1,
             "classes": classes, "layout": "[original, flipped] x [mean channels, logvar channels] x h x w"}
+    if images:
+        plan["images"] = "png"
     return plan, [(i, p, y) for i, (p, y) in enumerate(items)], root
 
 
 def run_extraction(source, out, *, vae, vae_id, resolution=256, shard_size=None, batch_size=32, num_workers=4,
-                   max_images=None, rank=0, world_size=1, progress=True):
-    """Encode the shards of this rank (k % world_size == rank) that are not complete yet; returns #images done."""
+                   max_images=None, rank=0, world_size=1, progress=True, images=False):
+    """Encode the shards of this rank (k % world_size == rank) that are not complete yet; returns #images done.
+    `images`: store each crop beside its latents."""
     from tqdm import tqdm
 
     out = os.path.abspath(os.fspath(out))
     plan, items, root = make_plan(source, resolution=resolution, vae_id=vae_id, shard_size=shard_size,
                                   latent_channels=vae.config.latent_channels, factor=vae_downsample_factor(vae),
-                                  max_images=max_images)
+                                  max_images=max_images, images=images)
     prepare_output(out, plan)
     size = plan["shard_size"]
     mine = [k for k in range(plan["num_shards"]) if k % world_size == rank]
@@ -298,10 +313,10 @@ def run_extraction(source, out, *, vae, vae_id, resolution=256, shard_size=None,
                desc=f"rank 0/{world_size} encoding")
     writer = None
     try:
-        for x, labels, indices, errors in loader:
+        for crops, labels, indices, errors in loader:
             ok = [j for j, e in enumerate(errors) if not e]
             if ok:
-                x = x[ok].to(device)
+                x = crops[ok].to(device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
                 mean, logvar = encode_moments(vae, torch.cat([x, x.flip(-1)]))
                 moments = torch.cat([mean, logvar], dim=1).float()
                 pairs = torch.stack([moments[:len(ok)], moments[len(ok):]], dim=1).half().cpu().numpy()
@@ -312,7 +327,7 @@ def run_extraction(source, out, *, vae, vae_id, resolution=256, shard_size=None,
                         writer.finish()
                     writer = ShardWriter(out, index // size)
                 if j in row:
-                    writer.add(f"{index:08d}", pairs[row[j]], labels[j])
+                    writer.add(f"{index:08d}", pairs[row[j]], labels[j], crops[j].numpy() if images else None)
                 else:
                     writer.skip(os.path.relpath(items[index][1], root), errors[j])
             bar.update(len(indices))
@@ -453,6 +468,8 @@ def build_parser(command: str = "extract") -> ArgumentParser:
     p.add_argument("--num-workers", type=int, default=4, help="image decoding workers per process")
     p.add_argument("--max-images", type=positive_int, default=None, help="encode only this many (a fixed spread-out subset)")
     p.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
+    p.add_argument("--images", action="store_true",
+                   help="also store each centre crop as <key>.png, for REPA's teacher (several times the latents' bytes)")
     return p
 
 
@@ -475,7 +492,8 @@ def _extract_main(args):
     out = os.path.abspath(args.out)
     run_extraction(args.source, out, vae=vae, vae_id=vae_id, resolution=args.resolution,
                    shard_size=args.shard_size, batch_size=args.batch_size, num_workers=args.num_workers,
-                   max_images=args.max_images, rank=state.process_index, world_size=state.num_processes)
+                   max_images=args.max_images, rank=state.process_index, world_size=state.num_processes,
+                   images=args.images)
     state.wait_for_everyone()
     if state.is_main_process:
         _summary(out, write_manifest(out))

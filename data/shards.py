@@ -13,6 +13,9 @@ one chosen at random with `random_flip`, else the image. Any dtype is read as fl
 scale: `scale_factor` when given, else manifest.json's (our extraction stores unscaled VAE output), else
 one measured from the data (`decide_scale`): the authors' shards hold latents already multiplied by
 0.18215, and a second multiplication would pass unseen.
+With `with_images` (REPA's teacher on latents) a sample is (latent, label, image): tar shards written by
+`extract_latents --images` hold `<key>.png`, the centre crop, returned as uint8 [3, R, R] and flipped with
+its latent; shards without them are refused in one line.
 Sample i (any non-negative int) is sample i % N of epoch i // N; its randomness comes only from
 (seed, epoch, i % N), so reads are reproducible whatever the worker layout - exact resume needs only i.
 """
@@ -25,11 +28,12 @@ import tarfile
 
 import numpy as np
 import torch
+from PIL import Image
 
 from data.vae import LOGVAR_MIN, LOGVAR_MAX, SD_VAE_SCALE
 from tread_utils.errors import UserError
 
-LATENT_EXT, LABEL_EXT = ".latent.npy", ".cls"
+LATENT_EXT, LABEL_EXT, IMAGE_EXT = ".latent.npy", ".cls", ".png"
 NPY_LATENTS, NPY_LABELS = ".latents.npy", ".labels.npy"
 SIDECAR_EXT = ".idx.npz"
 SCALE_PROBE = 256          # samples whose std decides the scale of shards without a manifest
@@ -73,7 +77,8 @@ def _npy_shape(fd, path, offset, size, key):
 
 
 def index_tar(path):
-    """(rows int64 [n, 4] = latent offset, latent size, cls offset, cls size; keys) from the tar headers."""
+    """(rows int64 [n, 6] = latent offset, latent size, cls offset, cls size, image offset, image size (-1, 0:
+    none); keys) from the tar headers."""
     found, order = {}, []
     try:
         file_size = os.path.getsize(path)
@@ -84,7 +89,7 @@ def index_tar(path):
                 head, base = os.path.split(m.name)
                 stem, _, ext = base.partition(".")
                 ext = "." + ext
-                if ext not in (LATENT_EXT, LABEL_EXT):
+                if ext not in (LATENT_EXT, LABEL_EXT, IMAGE_EXT):
                     continue
                 if m.offset_data + m.size > file_size:
                     raise tarfile.ReadError(f"member {m.name} runs past the end of the file")
@@ -95,12 +100,12 @@ def index_tar(path):
                 found[key][ext] = (m.offset_data, m.size)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise UserError(f"{path}: unreadable tar shard ({e}); {REEXTRACT}") from None
-    rows = np.zeros((len(order), 4), dtype=np.int64)
+    rows = np.zeros((len(order), 6), dtype=np.int64)
     for j, key in enumerate(order):
         parts = found[key]
         if LATENT_EXT not in parts or LABEL_EXT not in parts:
             raise UserError(f"{path}: sample {key} lacks its {LATENT_EXT} or {LABEL_EXT} member; {REEXTRACT}")
-        rows[j] = (*parts[LATENT_EXT], *parts[LABEL_EXT])
+        rows[j] = (*parts[LATENT_EXT], *parts[LABEL_EXT], *parts.get(IMAGE_EXT, (-1, 0)))
     return rows, np.array(order, dtype=str)
 
 
@@ -143,7 +148,7 @@ class _TarShard:
         stat, sidecar = self._stat(), self.path + SIDECAR_EXT
         try:
             with np.load(sidecar, allow_pickle=False) as z:
-                if np.array_equal(z["stat"], stat):
+                if np.array_equal(z["stat"], stat) and z["rows"].shape[1:] == (6,):  # (4,): before images
                     self._rows, self._keys = z["rows"], z["keys"]
         except (OSError, ValueError, KeyError, EOFError):
             pass
@@ -177,15 +182,23 @@ class _TarShard:
             raise UserError(f"{self.path}: unreadable tar shard ({e}); {REEXTRACT}") from None
         return None
 
-    def read(self, j):
+    def has_images(self) -> bool:
+        return self.count == 0 or bool((self._index()[0][:, 4] >= 0).all())
+
+    def read(self, j, image=False):
+        """(latent array, label, key), and with `image` the stored crop uint8 [R, R, 3] last."""
         rows, keys = self._index()
-        lat_off, lat_size, cls_off, cls_size = (int(v) for v in rows[j])
+        lat_off, lat_size, cls_off, cls_size, img_off, img_size = (int(v) for v in rows[j])
         key = str(keys[j])
-        lat_bytes, cls_bytes = _read_at(self._fd(), self.path, (lat_off, lat_size), (cls_off, cls_size))
+        ranges = [(lat_off, lat_size), (cls_off, cls_size)] + ([(img_off, img_size)] if image else [])
+        data = _read_at(self._fd(), self.path, *ranges)
         try:
-            arr = np.lib.format.read_array(io.BytesIO(lat_bytes), allow_pickle=False)
-            label = int(cls_bytes.decode("ascii").strip())
-        except (ValueError, EOFError, UnicodeDecodeError) as e:
+            arr = np.lib.format.read_array(io.BytesIO(data[0]), allow_pickle=False)
+            label = int(data[1].decode("ascii").strip())
+            if image:
+                with Image.open(io.BytesIO(data[2])) as im:
+                    return arr, label, key, np.asarray(im.convert("RGB"))
+        except (ValueError, EOFError, UnicodeDecodeError, OSError) as e:
             raise UserError(f"{self.path}: sample {key} is corrupt ({e}); {REEXTRACT}") from None
         return arr, label, key
 
@@ -289,19 +302,21 @@ def _seed(seed, epoch, idx):
 
 
 class LatentShardDataset(torch.utils.data.Dataset):
-    """(latent float32 [in_channels, input_size, input_size] * scale, int label) per index.
+    """(latent float32 [in_channels, input_size, input_size] * scale, int label) per index, and with
+    `with_images` the stored crop last, uint8 [3, R, R], flipped when the latent is.
 
     The defaults are the authors' data path: one fixed latent per image (no posterior sampling, no flip).
     `scale_note` says which scale was applied and why (the trainer prints it)."""
 
     def __init__(self, path, in_channels, input_size, num_classes, scale_factor=None, random_flip=False,
-                 posterior_sampling=False, seed=0):
+                 posterior_sampling=False, seed=0, with_images=False):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise UserError(f"latent data path {path} does not exist; point it at the output of `python -m data.extract_latents`")
         self.path, self.in_channels, self.input_size = path, int(in_channels), int(input_size)
         self.num_classes, self.scale_factor = int(num_classes), 1.0
         self.random_flip, self.posterior_sampling, self.seed = bool(random_flip), bool(posterior_sampling), int(seed)
+        self.with_images = bool(with_images)
         tars, npys = _find_shards(path)
         if not tars and not npys:
             raise UserError(f"no latent shards found under {path} (searched recursively for *.tar and "
@@ -314,6 +329,12 @@ class LatentShardDataset(torch.utils.data.Dataset):
             shape = s.first_shape()
             if shape is not None:
                 self._layout(shape, s.path)
+        if self.with_images:
+            bare = next((s.path for s in self.shards if not isinstance(s, _TarShard) or not s.has_images()), None)
+            if bare is not None:
+                raise UserError(f"{bare} holds no images (<key>{IMAGE_EXT}), which REPA's teacher needs on latents; "
+                                f"re-extract with `python -m data.extract_latents SOURCE OUT --images`, or "
+                                f"repa.enabled=false")
         self._ends = np.cumsum([s.count for s in self.shards]).tolist()
         if self._ends[-1] == 0:
             raise UserError(f"the latent shards under {path} hold no samples; re-run `python -m data.extract_latents`")
@@ -324,11 +345,14 @@ class LatentShardDataset(torch.utils.data.Dataset):
         probe = [self._stored_latent(i) for i in range(min(SCALE_PROBE, len(self)))]
         return float(np.std(np.stack(probe)))
 
-    def _locate(self, idx):
+    def _locate(self, idx, image=False):
+        """(shard, latent array, label, key, layout), and with `image` the crop last."""
         k = bisect.bisect_right(self._ends, idx)
         shard = self.shards[k]
-        arr, label, key = shard.read(idx - (self._ends[k - 1] if k else 0))
-        return shard, arr, label, key, self._layout(arr.shape, f"{shard.path} sample {key}")
+        j = idx - (self._ends[k - 1] if k else 0)
+        found = shard.read(j, image=True) if image else shard.read(j)
+        arr, key = found[0], found[2]
+        return (shard, arr, found[1], key, self._layout(arr.shape, f"{shard.path} sample {key}"), *found[3:])
 
     def _stored_latent(self, idx):
         _, arr, _, _, layout = self._locate(idx)
@@ -357,7 +381,7 @@ class LatentShardDataset(torch.utils.data.Dataset):
         if i < 0:
             raise IndexError(f"LatentShardDataset index must be non-negative, got {i}")
         epoch, idx = divmod(i, len(self))
-        shard, arr, label, key, layout = self._locate(idx)
+        shard, arr, label, key, layout, *image = self._locate(idx, self.with_images)
         if not 0 <= label < self.num_classes:
             raise UserError(f"{shard.path}: sample {key} has label {label} outside [0, {self.num_classes}); "
                             f"set num_classes to the dataset's class count or fix the labels")
@@ -374,4 +398,8 @@ class LatentShardDataset(torch.utils.data.Dataset):
             if self.posterior_sampling:
                 eps = torch.randn(mean.shape, generator=g).numpy()
                 x = mean + np.exp(0.5 * np.clip(logvar, LOGVAR_MIN, LOGVAR_MAX)) * eps
-        return torch.from_numpy(np.ascontiguousarray(x * np.float32(self.scale_factor))), label
+        latent = torch.from_numpy(np.ascontiguousarray(x * np.float32(self.scale_factor)))
+        if not self.with_images:
+            return latent, label
+        crop = image[0][:, ::-1] if flip else image[0]  # [R, R, 3]: flip the width axis, as the latent's pair
+        return latent, label, torch.from_numpy(np.ascontiguousarray(crop.transpose(2, 0, 1)))

@@ -308,3 +308,36 @@ def test_convert_maskdit_lmdb(tmp_path):
         y, arr = samples[f"{i:08d}"]
         assert y == i + 10 and arr.shape == (2, 8, LAT, LAT)
         np.testing.assert_allclose(arr[1].astype(np.float32), z[i + n], atol=2e-3, rtol=1e-3)
+
+
+def test_images_are_stored_beside_latents_and_flipped_with_them(single_run, tiny_vae, images, tmp_path, capsys):
+    """`--images` adds <key>.png, the exact centre crop; the reader's `with_images` returns it [3, R, R] uint8,
+    mirrored exactly when the flipped latent of the pair is returned; shards without images are refused."""
+    out = str(tmp_path / "img")
+    xl.main([images, out, "--vae", tiny_vae, "--images", *FLAGS])
+    manifest = json.loads(open(os.path.join(out, "manifest.json")).read())
+    assert manifest["images"] == "png" and "images" not in json.loads(open(os.path.join(single_run, "manifest.json")).read())
+    with tarfile.open(os.path.join(out, xl.shard_name(0))) as tf:
+        png = tf.extractfile("00000000.png").read()
+    with Image.open(os.path.join(images, "n01", "grey.png")) as im:
+        crop = xl.center_crop_arr(im.convert("RGB"), RES)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), crop)
+    assert read_shards(out).keys() == read_shards(single_run).keys()  # the same samples, and their latents
+    plain = LatentShardDataset(out, in_channels=4, input_size=LAT, num_classes=3, random_flip=True, seed=5)
+    withimg = LatentShardDataset(out, in_channels=4, input_size=LAT, num_classes=3, random_flip=True, seed=5,
+                                 with_images=True)
+    unflipped = LatentShardDataset(out, in_channels=4, input_size=LAT, num_classes=3, seed=5, with_images=True)
+    flips = set()
+    for i in range(len(withimg)):
+        latent, label, image = withimg[i]
+        base_latent, _, base_image = unflipped[i]
+        assert torch.equal(latent, plain[i][0]) and label == plain[i][1] and image.shape == (3, RES, RES)
+        flipped = not torch.equal(latent, base_latent)
+        flips.add(flipped)
+        assert torch.equal(image, base_image.flip(-1) if flipped else base_image)
+    assert flips == {True, False}
+    with pytest.raises(UserError, match=r"holds no images.*--images"):
+        LatentShardDataset(single_run, in_channels=4, input_size=LAT, num_classes=3, with_images=True)
+    with pytest.raises(SystemExit):  # a resume must not mix shards with and without images
+        xl.main([images, out, "--vae", tiny_vae, *FLAGS])
+    assert "other settings (images: 'png' -> None)" in capsys.readouterr().err

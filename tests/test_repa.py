@@ -5,6 +5,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -222,8 +223,6 @@ def compose_train(*overrides):
     (["repa.encoder=clip"], "repa.encoder=clip"),
     (["repa.block=-2"], "repa.block=-2"),
     (["repa.enabled=true", "repa.block=12"], "repa.block=12"),
-    (["repa.enabled=true", "dataset=imagenet256", "dataset.train_path=/", "train.eval.eval_interval=0"],
-     "repa.enabled=True"),
     (["repa.enabled=true", "repa.encoder_weights=/no/such/file"], "repa.encoder_weights"),
     (["repa.enabled=maybe"], "repa.enabled"),
 ])
@@ -288,3 +287,44 @@ def test_train_logs_the_repa_term_and_resumes_exactly(tmp_path):
 
 def test_bad_value_through_train_py(tmp_path):
     assert_one_line_error(run_script("train.py", f"results_dir={tmp_path}", "repa.weight=-0.5"), "repa.weight")
+
+
+def test_on_latent_shards_the_teacher_sees_the_stored_images_flipped_with_their_latents(tmp_path):
+    """Shards written with images -> LatentShardDataset(with_images) -> the DataLoader -> one training step
+    (training.loop.accumulate_gradients): the teacher gets each sample's stored crop in [-1, 1], mirrored
+    where its latent is the flipped one, while the network gets the latents."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from data import build_dataset
+    from data.extract_latents import ShardWriter
+    from training.loop import accumulate_gradients
+
+    rng = np.random.default_rng(0)
+    crops = rng.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
+    pairs = rng.standard_normal((6, 2, 4, 2, 2)).astype(np.float16)  # [original, flipped] latents
+    (tmp_path / ".progress").mkdir()  # the shard's done-marker goes there
+    writer = ShardWriter(str(tmp_path), 0)
+    for i in range(6):
+        writer.add(f"{i:08d}", pairs[i], i % 3, crops[i])
+    writer.finish()
+    cfg = OmegaConf.create({"kind": "shards", "train_path": str(tmp_path), "in_channels": 4, "input_size": 2,
+                            "num_classes": 3, "scale_factor": 1.0, "random_flip": True})
+    data = torch.utils.data.DataLoader(build_dataset(cfg, seed=3, teacher_images=True), batch_size=6)
+    teacher, seen = FixedTeacher(torch.ones(6, 1, 8), grid=(1, 1)), {}
+
+    def base(net, x, y, repa_tap):
+        seen["x"] = x
+        repa_tap.projected = torch.ones(6, 1, 8, requires_grad=True)
+        return x.sum((1, 2, 3))
+
+    run = SimpleNamespace(accelerator=Accelerator(cpu=True), data_iter=iter(data), net=None, accum=1,
+                          loss_fn=RepaLoss(base, teacher, 0.5, 0, (1, 1)), repa_sum=None)
+    accumulate_gradients(run, num_classes=3, drop_prob=0.0)
+    flipped = [bool((seen["x"][i].numpy() == pairs[i, 1]).all()) for i in range(6)]
+    assert {True, False} == set(flipped)  # both cases occur at this seed
+    for i, flip in enumerate(flipped):
+        image = torch.from_numpy(crops[i][:, ::-1].copy() if flip else crops[i]).permute(2, 0, 1).float()
+        assert torch.equal(teacher.seen[i], image / 127.5 - 1)
+    assert build_dataset(cfg, seed=3)[0][0].shape == (4, 2, 2) and len(build_dataset(cfg, seed=3)[0]) == 2

@@ -282,10 +282,6 @@ def check_repa(cfg, depth: int):
     if r.block >= depth:
         raise refuse("repa.block", r.block, f"in 0..{depth - 1} (the model has {depth} blocks)",
                      f"e.g. repa.block={depth // 3}")
-    if cfg.dataset.kind == "shards":
-        raise refuse("repa.enabled", True, "false with dataset.kind=shards: the shards hold latents, not the clean "
-                     "images the teacher needs (README: REPA, what storing images in the shards would take)",
-                     "train REPA on dataset=digits, or repa.enabled=false")
     if r.encoder == "digits_classifier" and cfg.dataset.kind != "digits":
         raise refuse("repa.encoder", r.encoder, "used with dataset.kind=digits only (it reads 16 x 16 grey digits)",
                      "e.g. repa.encoder=dinov2_vitb14")

@@ -158,7 +158,7 @@ def setup(cfg: DictConfig) -> Run:
     ema.to(device)
 
     # Load dataset: the batch sampler counts micro-batches and starts at the resumed step's first one.
-    dataset = build_dataset(cfg.dataset, seed=cfg.global_seed)
+    dataset = build_dataset(cfg.dataset, seed=cfg.global_seed, teacher_images=bool(cfg.repa.enabled))
     if is_main and getattr(dataset, "scale_note", None):
         print(f"latents: {dataset.scale_note}")
     accum = int(cfg.train.general.get("grad_accum_steps", 1))
@@ -252,12 +252,13 @@ def accumulate_gradients(run: Run, num_classes: int, drop_prob: float) -> torch.
     the gradient is that of the mean loss over the whole global batch. Returns that mean loss, detached."""
     accelerator, device, total = run.accelerator, run.accelerator.device, 0.0
     for micro in range(run.accum):
-        x, y = next(run.data_iter)
+        x, y, *crops = next(run.data_iter)  # latents with REPA: their clean images too (uint8 [B, 3, R, R])
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         y = torch.where(torch.rand(y.shape, device=device) < drop_prob, torch.full_like(y, num_classes), y)
+        teacher = {"teacher_images": crops[0].to(device, non_blocking=True).float() / 127.5 - 1} if crops else {}
         sync = micro == run.accum - 1
         with contextlib.nullcontext() if sync else accelerator.no_sync(run.net):
-            loss = run.loss_fn(run.net, x, y).mean()
+            loss = run.loss_fn(run.net, x, y, **teacher).mean()
             accelerator.backward(loss / run.accum if run.accum > 1 else loss)
         total = total + loss.detach() / run.accum
         if run.repa_sum is not None:  # REPA on: its alignment term, summed on the device until the next log

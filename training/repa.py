@@ -6,7 +6,9 @@ total loss = diffusion loss + weight * mean over tokens of -cos(projector(h), te
 * projector: REPA's MLP, Linear(hidden, projector_dim) - SiLU - Linear(projector_dim, projector_dim) - SiLU -
   Linear(projector_dim, teacher dim), projector_dim 2048 as theirs, xavier-uniform weights and zero biases
   (their model's init applies to it);
-* teacher: frozen, eval mode, no gradient, run on the clean input (`training/repa_teachers.py`). If its patch
+* teacher: frozen, eval mode, no gradient, run on the clean input: the training image itself on the digits,
+  the image stored beside the latents on shards (`extract_latents --images`), computed online
+  (`training/repa_teachers.py`; the storage against the compute: `python -m tools.repa_cost`). If its patch
   grid differs from the DiT token grid, its features are resized to the token grid (bilinear, antialiased when
   shrinking);
 * under routing: if the block lies inside a route (start <= block <= end; routes here include their end
@@ -103,12 +105,14 @@ class RepaLoss:
             features, grid = self.teacher(images)
             return to_token_grid(features, grid, self.token_grid)
 
-    def __call__(self, net, images, labels=None, **kwargs):
+    def __call__(self, net, images, labels=None, teacher_images=None, **kwargs):
+        """`teacher_images`: the clean images in [-1, 1] when `images` are latents (None: `images` themselves)."""
         tap = Tap(self.block)
         loss = self.base(net, images, labels, repa_tap=tap, **kwargs)
         if tap.projected is None:
             raise RuntimeError(f"REPA: block {self.block} was not reached; is the network a RepaNet?")
-        align = alignment_loss(tap.projected, self.target(images), tap.keep_idx)
+        clean = images if teacher_images is None else teacher_images
+        align = alignment_loss(tap.projected, self.target(clean), tap.keep_idx)
         self.last = align.detach().mean()
         return loss + self.weight * align.view(-1, *[1] * (loss.dim() - 1)).to(loss.dtype)
 
