@@ -117,12 +117,37 @@ def test_a_paper_code_computing_another_function_is_detected(tmp_path):
     assert paper_output_difference(perturbed, "DiT-T/8") > 1e-2
 
 
-def test_bench_suite_section_runs_the_evaluator_end_to_end(tmp_path):
+def test_bench_suite_section_times_the_evaluator_and_reads_its_peak_memory(tmp_path, monkeypatch):
+    """The suite section writes ADM-layout random batches, runs the evaluator CLI on them in its measuring
+    wrapper and reads the wrapper's peak-memory line. The evaluator itself runs end to end in
+    test_evaluator_cli (its two 2048-dim matrix square roots take a minute on 2 cores), so here the wrapper
+    runs for real on `--help` (the line is printed at any exit) and the section's child gets its output."""
+    from tools import bench_evaluation
+
+    wrapper = subprocess.run([sys.executable, "-c", bench_evaluation._MEASURED_EVALUATOR, "--help"],
+                             cwd=bench_evaluation.REPO, capture_output=True, text=True, timeout=120)
+    assert wrapper.returncode == 0 and "usage: evaluator" in wrapper.stdout, wrapper.stderr
+    peak = [line for line in wrapper.stderr.splitlines() if line.startswith("peak_rss_mb")]
+    assert len(peak) == 1 and float(peak[0].split()[1]) > 10
+    seen = {}
+
+    def child(cmd, **kwargs):
+        ref, samples = cmd[3:5]
+        seen.update(cmd=cmd, shapes=[np.load(f)["arr_0"].shape for f in (ref, samples)])
+        return subprocess.CompletedProcess(cmd, 0, "", f"FID: 1.0\n{peak[0]}\n")
+
+    monkeypatch.setattr(bench_evaluation.subprocess, "run", child)
     out = tmp_path / "bench.json"
-    run_script("tools.bench", "--backbones", "DiT-T/8", "--sections", "suite", "--suite-samples", "8",
-               "--suite-ref", "4", "--suite-batch", "4", "--tmp-dir", tmp_path, "--out", out, check=True, timeout=600)
+    monkeypatch.setattr(sys, "argv", ["bench", "--sections", "suite", "--suite-samples", "8", "--suite-ref", "4",
+                                      "--suite-batch", "4", "--tmp-dir", str(tmp_path), "--out", str(out)])
+    from tools import bench
+
+    bench.main()
+    assert seen["shapes"] == [(4, 256, 256, 3), (8, 256, 256, 3)]
+    assert seen["cmd"][:3] == [sys.executable, "-c", bench_evaluation._MEASURED_EVALUATOR]
+    assert seen["cmd"][5:-1] == ["--random-init", "--no-progress", "--batch-size", "4", "--device"]
     suite, = json.loads(out.read_text())["suite"]
-    assert suite["samples"] == 8 and suite["seconds"] > 0 and suite["peak_host_mb"] > 100
+    assert suite["samples"] == 8 and suite["seconds"] > 0 and suite["peak_host_mb"] == float(peak[0].split()[1])
     assert list(tmp_path.glob("tmp*")) == []  # the random batches are removed
     assert "ADM suite" in out.with_suffix(".md").read_text()
 
