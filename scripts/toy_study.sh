@@ -2,7 +2,9 @@
 # Issue 15's toy study on the embedded digits (the preset's DiT-D/4: 12 blocks, 16 tokens), in stages:
 #   compare    dit against tread (route 2 -> 8 at 0.5), seeds 0, 1, 2, STEPS steps   -> $RESULTS/compare/
 #   placement  tread routes start {0,2,4} x end {5,8,10} at 0.5, seed 0, PLACEMENT_STEPS -> $RESULTS/placement/
-#   ratio      tread 2 -> 8 at ratio 0 / 0.25 / 0.5 / 0.75, seeds 0, 1, 2, RATIO_STEPS -> $RESULTS/ratio/
+#   ratio      tread 2 -> 8 at RATIOS (0.25, 0.75), seeds 0, 1, 2, RATIO_STEPS        -> $RESULTS/ratio/
+#              (ratios 0 and 0.5 are compare's dit and tread runs, which the report reads up to RATIO_STEPS: a
+#              ratio-0 route is the dit computation, and the same seed and settings train the same run)
 #   report     tools/study_report.py over the three                                   -> $REPORT/
 # Every run evaluates FID, class_acc and nn_ratio every EVAL_EVERY steps on EVAL_SAMPLES samples and
 # keeps a checkpoint at each evaluation, so an interrupted run loses at most EVAL_EVERY steps.
@@ -27,6 +29,7 @@ STAGES=${STAGES:-compare,placement,ratio,report}
 STEPS=${STEPS:-3000}                      # compare's budget (issue 15: to 3,000 steps)
 PLACEMENT_STEPS=${PLACEMENT_STEPS:-1500}  # where compare separates best: set it from compare's report
 RATIO_STEPS=${RATIO_STEPS:-1500}
+RATIOS=${RATIOS:-0.25,0.75}               # RATIOS=0,0.25,0.5,0.75 trains all four without compare
 EVAL_EVERY=${EVAL_EVERY:-250}             # FID + class_acc + nn_ratio every this many steps
 EVAL_SAMPLES=${EVAL_SAMPLES:-512}
 RESULTS=${RESULTS:-results/study}
@@ -90,7 +93,7 @@ if wanted placement; then
     "$route.end_layer_idx=5,8,10" "$route.selection_ratio=0.5"
 fi
 if wanted ratio; then
-  sweep "$RATIO_STEPS" ratio model=tread global_seed=0,1,2 "$route.selection_ratio=0,0.25,0.5,0.75"
+  sweep "$RATIO_STEPS" ratio model=tread global_seed=0,1,2 "$route.selection_ratio=$RATIOS"
 fi
 if wanted report; then
   roots=()  # the parts run so far (study.md names its sources); none at all is the report's error

@@ -188,8 +188,8 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
     part = lambda name: sorted(v for k, v in jobs.items() if k.startswith(f"{results}/{name}/"))
     assert part("compare") == sorted([("dit", s, None) for s in range(3)] + [("tread", s, (2, 8, 0.5)) for s in range(3)])
     assert part("placement") == sorted(("tread", 0, (s, e, 0.5)) for s in (0, 2, 4) for e in (5, 8, 10))
-    assert part("ratio") == sorted(("tread", s, (2, 8, r)) for s in range(3) for r in (0.0, 0.25, 0.5, 0.75))
-    assert len(jobs) == 6 + 9 + 12  # every run its own dir
+    assert part("ratio") == sorted(("tread", s, (2, 8, r)) for s in range(3) for r in (0.25, 0.75))
+    assert len(jobs) == 6 + 9 + 6  # every run its own dir; ratios 0 and 0.5 are compare's runs
 
 
 def test_parallel_workers_launch_the_same_runs_one_job_per_call(tmp_path):
@@ -199,7 +199,7 @@ def test_parallel_workers_launch_the_same_runs_one_job_per_call(tmp_path):
     split, proc2 = script_calls("scripts/toy_study.sh", tmp_path / "jobs2", RESULTS=results, JOBS="2",
                                 STAGES="compare,placement,ratio")
     assert proc.returncode == 0 and proc2.returncode == 0, proc2.stderr
-    assert len(split) == 27 and all(len(expand(c[2:])) == 1 for c in split)
+    assert len(split) == 21 and all(len(expand(c[2:])) == 1 for c in split)
     threads = max(1, (os.cpu_count() or 1) // 2)  # train.py would take every core in each of the two
     assert all(f"train.cpu_threads={threads}" in c for c in split)
     assert study_jobs(split, results) == study_jobs(calls, results)  # the same run dirs as the whole sweeps
@@ -218,3 +218,25 @@ def test_toy_study_runs_only_the_chosen_stages(tmp_path):
     (tmp_path / "none").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "none", STAGES="report", RESULTS=str(tmp_path / "x"))
     assert proc.returncode == 2 and proc.stderr.startswith("error: no study runs under") and not calls
+
+
+def test_ratio_part_borrows_compares_runs_up_to_its_own_last_step(tmp_path):
+    """Ratios 0 (dit) and 0.5 come from compare, cut at the ratio runs' last evaluation (500, not 750)."""
+    compare, ratio = compare_root(tmp_path), tmp_path / "ratio"
+    for r in (0.25, 0.75):
+        for seed in range(3):
+            write_run(ratio, f"global_seed={seed},ratio={r}", "tread", seed, route=(2, 8, r), evals=[250, 500])
+    parts = {"compare": read_parts(compare), "ratio": read_parts(ratio)}
+    borrowed = study_report.borrow_compare_runs(parts)
+    groups = study_report.configurations(borrowed["ratio"])
+    assert list(groups) == ["dit", "tread 2->8 @ 0.25", "tread 2->8 @ 0.5", "tread 2->8 @ 0.75"]
+    assert all(sorted(r["evals"]) == [250, 500] for g in groups.values() for r in g)
+    assert study_report.final_values(groups["dit"], "fid")[0] == pytest.approx(np.mean([fid_of("dit", s, 500)
+                                                                                        for s in range(3)]))
+    assert max(parts["compare"][0]["evals"]) == 750  # compare itself is untouched
+    assert study_report.borrow_compare_runs({"ratio": parts["ratio"]}) == {"ratio": parts["ratio"]}
+    out = tmp_path / "out"
+    run_script("tools.study_report", compare, ratio, "--out", out, check=True)
+    md = (out / "study.md").read_text()
+    table = md[md.index("## Selection ratio"):]
+    assert "| ratio | dit | 3 |" in table and "| ratio | tread 2->8 @ 0.5 | 3 |" in table and "| 500 |" in table

@@ -10,6 +10,9 @@ the band (sample std, ddof 1) and the t-test; one seed gives a line without band
 Evaluations where a run of the pair has nn_ratio < 0.8 (samples closer to training digits than
 held-out digits are) are marked "copying: comparison stopped", and so is every later evaluation.
 Runs that are unfinished, failed or without records are listed, never dropped.
+Given both, the ratio part borrows the compare part's configurations it lacks (dit as ratio 0, tread at its
+ratio) up to the ratio part's last evaluation: a ratio-0 route is the dit computation and equal seeds and
+settings train equal runs, so scripts/toy_study.sh trains only the other ratios.
 """
 import csv
 import statistics
@@ -167,6 +170,19 @@ def placement_baseline(placement_runs, runs):
     return {k: (statistics.mean(v), len(v)) for k, v in out.items() if None not in v}
 
 
+def borrow_compare_runs(parts):
+    """The ratio part plus compare's runs of configurations it has none of (no routes, or the ratio runs'
+    routes at another ratio), each cut at the ratio part's last evaluation step."""
+    ratio, compare = parts.get("ratio"), parts.get("compare")
+    if not ratio or not compare:
+        return parts
+    own, routes = {label(r) for r in ratio}, {r["routes"] for r in ratio}
+    end = max((s for r in ratio for s in r["evals"]), default=0)
+    borrowed = [dict(r, evals={s: e for s, e in r["evals"].items() if s <= end}, run=f"{r['run']} (to step {end})")
+                for r in compare if label(r) not in own and (not r["route_list"] or r["routes"] in routes)]
+    return {**parts, "ratio": ratio + borrowed}
+
+
 def write_study(parts, runs, out, sources, replaced=()):
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# Toy study report", "", f"Sources: {', '.join(f'`{s}`' for s in sources)}; {len(runs)} run(s).", "",
@@ -225,7 +241,7 @@ def main(argv=None):
         root = next(p for p in roots if r["dir"].resolve().is_relative_to(p))
         parts.setdefault(root.name, []).append(r)
     try:
-        write_study(parts, runs, Path(args.out), args.paths, replaced)
+        write_study(borrow_compare_runs(parts), runs, Path(args.out), args.paths, replaced)
     except OSError as e:
         exit_with(f"cannot write the report to {args.out}: {e.strerror or e}")
     print(f"{len(runs)} run(s) in {len(parts)} part(s) -> {Path(args.out) / 'study.md'}, study.csv, plots")
