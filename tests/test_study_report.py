@@ -28,15 +28,19 @@ def acc_of(model, seed, step):
 
 
 def write_run(root, name, model="tread", seed=0, route=(2, 8, 0.5), nn=lambda step: 1.3, speed=4.0,
-              status="completed", evals=STEPS):
-    """A run dir like train.py's: config.yaml (the model section's shape), status.json, metrics.jsonl."""
+              status="completed", evals=STEPS, route_extra=None, **config):
+    """A run dir like train.py's: config.yaml (the model section's shape, `config` merged in), status.json,
+    metrics.jsonl."""
     run = root / name
     run.mkdir(parents=True)
     routed = model == "tread"
     params = dict(num_classes=10, in_channels=1, input_size=16, enable_routing=routed,
-                  routes=[dict(selection_ratio=route[2], start_layer_idx=route[0], end_layer_idx=route[1])])
+                  routes=[dict(selection_ratio=route[2], start_layer_idx=route[0], end_layer_idx=route[1],
+                               **(route_extra or {}))])
     cfg = dict(run_name=root.name, global_seed=seed, train=dict(max_steps=evals[-1] if evals else 750),
                model=dict(name=model, backbone_type="DiT-D/4", params=params), dataset=dict(name="digits"))
+    for key, value in config.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     (run / "status.json").write_text(json.dumps({"status": status, "time": 1.0}))
     lines, t = [], 1_795_469_494.0
@@ -240,3 +244,17 @@ def test_ratio_part_borrows_compares_runs_up_to_its_own_last_step(tmp_path):
     md = (out / "study.md").read_text()
     table = md[md.index("## Selection ratio"):]
     assert "| ratio | dit | 3 |" in table and "| ratio | tread 2->8 @ 0.5 | 3 |" in table and "| 500 |" in table
+
+
+def test_sprint_repa_schedule_and_late_routing_off_are_configurations_of_their_own(tmp_path):
+    root = tmp_path / "platform"
+    write_run(root, "tread", seed=0)
+    write_run(root, "sprint", seed=0, route=(2, 8, 0.75), route_extra=dict(fusion="sprint"))
+    write_run(root, "repa", seed=0, repa=dict(enabled=True, block=3))
+    write_run(root, "off", seed=0, train=dict(max_steps=750, routing_off_after=600))
+    write_run(root, "cosine", seed=0, route_extra=dict(schedule=dict(kind="cosine", end_ratio=0.25)))
+    write_run(root, "dit", "dit", seed=0, train=dict(max_steps=750, routing_off_after=600))
+    groups = study_report.configurations(read_parts(root))
+    assert list(groups)[0] == "dit" and sorted(groups) == sorted([
+        "dit", "tread 2->8 @ 0.5", "tread 2->8 @ 0.5 (REPA block 3)", "tread 2->8 @ 0.5 (cosine schedule)",
+        "tread 2->8 @ 0.5 (routing off after 600)", "tread 2->8 @ 0.75 (sprint)"])

@@ -25,7 +25,7 @@ from tread_utils.errors import exit_with
 SKIP_DIRS = {"checkpoints", "tensorboard", "wandb", "samples", "__pycache__"}
 DEPTHS = {"D": 12, "T": 12, "S": 12, "B": 12, "L": 24, "XL": 28}  # dit.py's registry: <family>-<size>/<patch>
 COLUMNS = [("run", "run"), ("status", "status"), ("backbone", "backbone"), ("model", "model"),
-           ("routes", "routes"), ("ratio", "ratio"), ("seed", "seed"), ("steps", "steps"),
+           ("routes", "routes"), ("ratio", "ratio"), ("variant", "variant"), ("seed", "seed"), ("steps", "steps"),
            ("final_fid", "final FID"), ("best_fid", "best FID"), ("best_fid_step", "best FID step"),
            ("steps_per_sec", "steps/s (median)"), ("compute_hours", "compute hours"),
            ("final_loss", "loss at end"), ("note", "note")]
@@ -108,11 +108,31 @@ def read_config(run, cfg):
         routes.append((s, e, float(r.get("selection_ratio", 0.0))))
     if not params.get("enable_routing", bool(routes)):
         routes = []
+    run["variant"] = variant(cfg, params if routes else {})
     run.update(backbone=model.get("backbone_type"), model=model.get("name"), depth=depth, route_list=routes,
                routes="; ".join(f"{s}->{e}" for s, e, _ in routes) or "off",
                ratio="; ".join(f"{r:g}" for _, _, r in routes) or "-", seed=cfg.get("global_seed"),
                dataset=(cfg.get("dataset") or {}).get("name"), max_steps=(cfg.get("train") or {}).get("max_steps"),
                baseline=not routes or all(r == 0 for _, _, r in routes))
+
+
+def variant(cfg, params) -> str:
+    """What else a run changes beyond its routes and ratios: SPRINT fusion, ratio schedules, REPA, routing
+    turned off late ('' for plain DiT / TREAD runs)."""
+    parts = []
+    for r in params.get("routes") or []:
+        if (r.get("fusion") or "none") != "none":
+            parts.append(str(r["fusion"]))
+        kind = (r.get("schedule") or {}).get("kind") or "constant"
+        if kind != "constant":
+            parts.append(f"{kind} schedule")
+    repa = cfg.get("repa") or {}
+    if repa.get("enabled"):
+        parts.append(f"REPA block {repa.get('block')}")
+    off = (cfg.get("train") or {}).get("routing_off_after")
+    if params.get("routes") and off is not None:
+        parts.append(f"routing off after {off}")
+    return ", ".join(dict.fromkeys(parts))
 
 
 def from_dir_name(run, name):
@@ -210,12 +230,12 @@ def by_configuration(runs):
     groups = {}
     for r in runs:
         if r["final_fid"] is not None:
-            groups.setdefault((r["backbone"], r["model"], r["routes"], r["ratio"]), []).append(r)
+            groups.setdefault((r["backbone"], r["model"], r["routes"], r["ratio"], r["variant"]), []).append(r)
     rows = []
-    for (backbone, model, routes, ratio), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (backbone, model, routes, ratio, variant_), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
         fids = [m["final_fid"] for m in members]
         spread = f" ± {statistics.stdev(fids):.2f}" if len(fids) > 1 else ""
-        rows.append([backbone, model, routes, ratio, len(members), f"{statistics.mean(fids):.2f}{spread}",
+        rows.append([backbone, model, routes, ratio, variant_ or "-", len(members), f"{statistics.mean(fids):.2f}{spread}",
                      cell(statistics.mean(m["best_fid"] for m in members)),
                      cell(sum(m["compute_hours"] or 0 for m in members))])
     return rows
@@ -239,7 +259,8 @@ def new_figure(width, height):
 
 def labels(runs):
     """Short legend labels from the config (model, routes, ratio, seed), or the run names if those repeat."""
-    short = [f"{r['model']}" + (f" {r['routes']} @ {r['ratio']}" if r["route_list"] else "") + f", seed {r['seed']}"
+    short = [f"{r['model']}" + (f" {r['routes']} @ {r['ratio']}" if r["route_list"] else "") +
+             (f" {r['variant']}" if r.get("variant") else "") + f", seed {r['seed']}"
              for r in runs]
     return short if len(set(short)) == len(short) else [r["run"] for r in runs]
 
@@ -325,7 +346,7 @@ def write_report(runs, out, sources, replaced):
     grouped = by_configuration(runs)
     if grouped:
         lines += ["## By configuration (runs with FID; mean ± std over seeds)", "",
-                  md_table(["backbone", "model", "routes", "ratio", "runs", "final FID", "best FID",
+                  md_table(["backbone", "model", "routes", "ratio", "variant", "runs", "final FID", "best FID",
                             "compute hours"], grouped), ""]
     lines += ["## Plots", ""]
     problems = []

@@ -45,7 +45,8 @@ def evaluations(run):
 
 
 def label(run):
-    return run["model"] + (f" {run['routes']} @ {run['ratio']}" if run["route_list"] else "")
+    return run["model"] + (f" {run['routes']} @ {run['ratio']}" if run["route_list"] else "") + \
+        (f" ({run['variant']})" if run.get("variant") else "")
 
 
 def configurations(runs):
