@@ -154,6 +154,19 @@ def make_sampler(sampler_kwargs: Optional[Mapping] = None):
     return fn
 
 
+def count_network_evaluations(sampler_kwargs: Optional[Mapping] = None) -> int:
+    """Network evaluations (NFE) per sample of a sampler setting, counted by running it on a dry net."""
+    calls = []
+
+    class Counting(_DryNet):
+        def __call__(self, x, sigma, class_labels=None, **kw):
+            calls.append(1)
+            return super().__call__(x, sigma, class_labels, **kw)
+
+    make_sampler(sampler_kwargs)(Counting(), torch.zeros(1, 1, 1, 1), randn_like=torch.zeros_like)
+    return len(calls)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Generation
 

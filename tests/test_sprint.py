@@ -220,3 +220,34 @@ def test_flop_report_counts_path_drop_guidance_against_cfg():
     assert weak == pytest.approx(full - 2 * block_forward_flops(a, n) + 2 * n * 2 * width * width, rel=0.02)
     assert "path-drop" in format_report("DiT-T/4", report, 1)
     assert guidance_flops("DiT-T/4", dict(params, routes=[route(2, 3, 0.75)])) == {}  # no sprint route: no line
+
+
+def test_guidance_eval_scores_cfg_and_pdg_at_equal_network_evaluations(tmp_path, capsys):
+    """tools.guidance_eval on a 2-step sprint run: one row per setting, CFG and PDG with the same NFE and
+    network passes, PDG with fewer FLOPs; a run without sprint routes is refused in one line."""
+    import json
+
+    from conftest import run_script, tiny_overrides
+    from tools import guidance_eval
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    def train(name, *extra):
+        run_script("train.py", f"results_dir={tmp_path}", f"run_name={name}", *tiny_overrides("tread"), *extra,
+                   "train.max_steps=2", "train.ckpt_every=2", "train.eval.sampler.num_steps=3", check=True)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda a: train(*a), [("sprint", "model.params.routes.0.fusion=sprint"), ("plain",)]))
+    out = tmp_path / "guidance"
+    guidance_eval.main([str(tmp_path / "sprint"), "--cfg-scales", "2", "--pdg-scales", "2", "--num-samples", "128",
+                        "--guidance-interval", "0.1", "10", "--out", str(out)])
+    rows = {r["setting"]: r for r in json.loads((out / "guidance.json").read_text())["rows"]}
+    assert list(rows) == ["unguided", "cfg2", "pdg2"]
+    assert rows["unguided"]["nfe"] == rows["cfg2"]["nfe"] == rows["pdg2"]["nfe"] == 5  # Heun, 3 steps: 2 x 3 - 1
+    assert rows["cfg2"]["network_passes"] == rows["pdg2"]["network_passes"] == 2 * rows["unguided"]["network_passes"]
+    assert rows["unguided"]["gflops_per_sample"] < rows["pdg2"]["gflops_per_sample"] < rows["cfg2"]["gflops_per_sample"]
+    assert len({rows[s]["fid"] for s in rows}) == 3 and all(0 <= rows[s]["class_acc"] <= 1 for s in rows)
+    assert "| pdg2 |" in (out / "guidance.md").read_text() and (out / "samples" / "step_00000000_pdg2.png").exists()
+    with pytest.raises(SystemExit):
+        guidance_eval.main([str(tmp_path / "plain"), "--out", str(tmp_path / "x")])
+    assert "no SPRINT routes" in capsys.readouterr().err
