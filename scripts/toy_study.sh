@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Issue 15's toy study on the embedded digits (the preset's DiT-D/4: 12 blocks, 16 tokens), in stages:
+# The toy study on the embedded digits (the preset's DiT-D/4: 12 blocks, 16 tokens; issues 15 and 20), in stages:
 #   compare    dit against tread (route 2 -> 8 at 0.5), seeds 0, 1, 2, STEPS steps   -> $RESULTS/compare/
 #   placement  tread routes start {0,2,4} x end {5,8,10} at 0.5, seed 0, PLACEMENT_STEPS -> $RESULTS/placement/
 #   ratio      tread 2 -> 8 at RATIOS (0.25, 0.75), seeds 0, 1, 2, RATIO_STEPS        -> $RESULTS/ratio/
 #              (ratios 0 and 0.5 are compare's dit and tread runs, which the report reads up to RATIO_STEPS: a
 #              ratio-0 route is the dit computation, and the same seed and settings train the same run)
-#   report     tools/study_report.py over the three                                   -> $REPORT/
+#   platform   the successors against compare's dit and tread, seeds 0, 1, 2, STEPS    -> $RESULTS/platform/
+#              SPRINT (route 2 -> 9 at 0.75, fusion sprint: 2 dense blocks on each side, as theirs), tread + REPA
+#              (block 3, the digits classifier's map), tread with routing off for the last 20% of the steps
+#   guidance   tools/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
+#              GUIDANCE_SCALES, equal network evaluations, EVAL_SAMPLES samples    -> $REPORT/guidance/
+#   report     tools/study_report.py over the training parts run so far                 -> $REPORT/
 # Every run evaluates FID, class_acc and nn_ratio every EVAL_EVERY steps on EVAL_SAMPLES samples and
 # keeps a checkpoint at each evaluation, so an interrupted run loses at most EVAL_EVERY steps.
 #
@@ -25,11 +30,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES=${STAGES:-compare,placement,ratio,report}
+STAGES=${STAGES:-compare,placement,ratio,platform,guidance,report}
 STEPS=${STEPS:-3000}                      # compare's budget (issue 15: to 3,000 steps)
 PLACEMENT_STEPS=${PLACEMENT_STEPS:-1500}  # where compare separates best: set it from compare's report
 RATIO_STEPS=${RATIO_STEPS:-1500}
 RATIOS=${RATIOS:-0.25,0.75}               # RATIOS=0,0.25,0.5,0.75 trains all four without compare
+GUIDANCE_SCALES=${GUIDANCE_SCALES:-1.5 2 3}
 EVAL_EVERY=${EVAL_EVERY:-250}             # FID + class_acc + nn_ratio every this many steps
 EVAL_SAMPLES=${EVAL_SAMPLES:-512}
 RESULTS=${RESULTS:-results/study}
@@ -44,8 +50,8 @@ if (( JOBS > 1 )); then  # train.py sets its own threads (train.cpu_threads, aut
 fi
 
 for stage in ${STAGES//,/ }; do
-  case "$stage" in compare|placement|ratio|report) ;; *) echo "error: unknown stage '$stage' in STAGES=$STAGES" \
-    "(compare, placement, ratio, report)" >&2; exit 2;; esac
+  case "$stage" in compare|placement|ratio|platform|guidance|report) ;; *) echo "error: unknown stage '$stage' in" \
+    "STAGES=$STAGES (compare, placement, ratio, platform, guidance, report)" >&2; exit 2;; esac
 done
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 train() {  # train <steps> <run_name> <sweep overrides...> [extra overrides from the command line]
@@ -64,11 +70,19 @@ expand() {  # expand <override>...: one line per job of the Hydra sweep they mak
   done
   printf '%s\n' "${lines[@]}"
 }
-sweep() {  # sweep <steps> <run_name> <override>...: one Hydra multirun, or its jobs over JOBS parallel workers
-  local steps=$1 name=$2 w pids=() rc=0 jobs
+sweep() {  # sweep <steps> <run_name> <group>...: each group a string of overrides making one Hydra sweep; JOBS=1
+           # runs each group as one multirun, JOBS > 1 spreads the jobs of all groups over JOBS parallel workers
+  local steps=$1 name=$2 w pids=() rc=0 jobs=() group line
   shift 2
-  if (( JOBS == 1 )); then train "$steps" "$name" "$@" "${EXTRA[@]}"; return; fi
-  mapfile -t jobs < <(expand "$@")
+  if (( JOBS == 1 )); then
+    # shellcheck disable=SC2086  # a group is split into its overrides on purpose
+    for group in "$@"; do train "$steps" "$name" $group "${EXTRA[@]}" || rc=1; done
+    return "$rc"
+  fi
+  for group in "$@"; do
+    # shellcheck disable=SC2086
+    while IFS= read -r line; do jobs+=("$line"); done < <(expand $group)
+  done
   for ((w = 0; w < JOBS; w++)); do
     (
       failed=0
@@ -86,18 +100,29 @@ sweep() {  # sweep <steps> <run_name> <override>...: one Hydra multirun, or its 
 route=model.params.routes.0
 
 if wanted compare; then
-  sweep "$STEPS" compare model=dit,tread global_seed=0,1,2
+  sweep "$STEPS" compare "model=dit,tread global_seed=0,1,2"
 fi
 if wanted placement; then
-  sweep "$PLACEMENT_STEPS" placement model=tread global_seed=0 "$route.start_layer_idx=0,2,4" \
-    "$route.end_layer_idx=5,8,10" "$route.selection_ratio=0.5"
+  sweep "$PLACEMENT_STEPS" placement "model=tread global_seed=0 $route.start_layer_idx=0,2,4 \
+    $route.end_layer_idx=5,8,10 $route.selection_ratio=0.5"
 fi
 if wanted ratio; then
-  sweep "$RATIO_STEPS" ratio model=tread global_seed=0,1,2 "$route.selection_ratio=$RATIOS"
+  sweep "$RATIO_STEPS" ratio "model=tread global_seed=0,1,2 $route.selection_ratio=$RATIOS"
+fi
+sprint="$route.end_layer_idx=9 $route.fusion=sprint $route.selection_ratio=0.75"
+if wanted platform; then
+  sweep "$STEPS" platform "model=tread global_seed=0,1,2 $sprint" "model=tread global_seed=0,1,2 repa.enabled=true" \
+    "model=tread global_seed=0,1,2 train.routing_off_after=$(( STEPS * 4 / 5 ))"
+fi
+if wanted guidance; then  # the SPRINT seed-0 run's directory: its overrides, sorted (Hydra's override_dirname)
+  run=$(printf '%s\n' global_seed=0 model=tread $sprint | LC_ALL=C sort | paste -sd, -)
+  # shellcheck disable=SC2086  # the scales are separate arguments
+  "$PYTHON" -m tools.guidance_eval "$RESULTS/platform/$run" --cfg-scales $GUIDANCE_SCALES \
+    --pdg-scales $GUIDANCE_SCALES --num-samples "$EVAL_SAMPLES" --out "$REPORT/guidance"
 fi
 if wanted report; then
   roots=()  # the parts run so far (study.md names its sources); none at all is the report's error
-  for part in compare placement ratio; do [[ -d "$RESULTS/$part" ]] && roots+=("$RESULTS/$part"); done
+  for part in compare placement ratio platform; do [[ -d "$RESULTS/$part" ]] && roots+=("$RESULTS/$part"); done
   (( ${#roots[@]} )) || { echo "error: no study runs under $RESULTS (run a training stage first)" >&2; exit 2; }
   "$PYTHON" -m tools.study_report "${roots[@]}" --out "$REPORT"
 fi

@@ -168,7 +168,8 @@ def study_jobs(calls, results):
     settings checked against the issue's (compare 3000 steps, placement and ratio 1500, eval every 250)."""
     jobs = {}
     for call in calls:
-        steps = {"compare": 3000}.get(next(a for a in call if a.startswith("run_name=")).split("=")[1], 1500)
+        steps = {"compare": 3000, "platform": 3000}.get(next(a for a in call if a.startswith("run_name=")).split("=")[1],
+                                                        1500)
         for job in expand(call[2:]):
             cfg = compose_cfg(job)
             assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples,
@@ -177,7 +178,10 @@ def study_jobs(calls, results):
             key = f"{cfg.results_dir}/{cfg.run_name}/{cfg.hydra.job.override_dirname}"
             routes = [(r.start_layer_idx, r.end_layer_idx, r.selection_ratio) for r in cfg.model.params.routes]
             assert key not in jobs and len(routes) == (1 if cfg.model.params.enable_routing else 0)
-            jobs[key] = (cfg.model.name, cfg.global_seed, routes[0] if cfg.model.params.enable_routing else None)
+            variant = (cfg.model.params.routes[0].get("fusion", "none") if routes else None, cfg.repa.enabled,
+                       cfg.train.routing_off_after)
+            jobs[key] = (cfg.model.name, cfg.global_seed, routes[0] if cfg.model.params.enable_routing else None) + \
+                ((variant,) if variant != ("none", False, None) and routes else ())
     return jobs
 
 
@@ -186,24 +190,32 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
     (results / "compare").mkdir(parents=True)  # only compare has runs: the report reads only that part
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep")
     assert proc.returncode == 0, proc.stderr
-    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 3 + [["-m", "tools.study_report"]]
-    assert calls[3][2:] == [str(results / "compare"), "--out", "rep"]
-    jobs = study_jobs(calls[:3], results)
+    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 6 + [["-m", "tools.guidance_eval"], ["-m", "tools.study_report"]]
+    assert calls[-1][2:] == [str(results / "compare"), "--out", "rep"]
+    jobs = study_jobs(calls[:6], results)
     part = lambda name: sorted(v for k, v in jobs.items() if k.startswith(f"{results}/{name}/"))
     assert part("compare") == sorted([("dit", s, None) for s in range(3)] + [("tread", s, (2, 8, 0.5)) for s in range(3)])
     assert part("placement") == sorted(("tread", 0, (s, e, 0.5)) for s in (0, 2, 4) for e in (5, 8, 10))
     assert part("ratio") == sorted(("tread", s, (2, 8, r)) for s in range(3) for r in (0.25, 0.75))
-    assert len(jobs) == 6 + 9 + 6  # every run its own dir; ratios 0 and 0.5 are compare's runs
+    assert part("platform") == sorted([("tread", s, (2, 9, 0.75), ("sprint", False, None)) for s in range(3)] +
+                                      [("tread", s, (2, 8, 0.5), ("none", True, None)) for s in range(3)] +
+                                      [("tread", s, (2, 8, 0.5), ("none", False, 2400)) for s in range(3)])
+    assert len(jobs) == 6 + 9 + 6 + 9  # every run its own dir; ratios 0 and 0.5 are compare's runs
+    sprint_seed0 = next(k for k, v in jobs.items() if v[1:] == (0, (2, 9, 0.75), ("sprint", False, None)))
+    guidance = calls[6][2:]
+    assert guidance[0] == sprint_seed0 and guidance[-2:] == ["--out", "rep/guidance"]
+    assert guidance[1:9] == ["--cfg-scales", "1.5", "2", "3", "--pdg-scales", "1.5", "2", "3"]
+    assert guidance[9:11] == ["--num-samples", "512"]
 
 
 def test_parallel_workers_launch_the_same_runs_one_job_per_call(tmp_path):
     results = str(tmp_path / "res")
-    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=results, STAGES="compare,placement,ratio")
+    stages = "compare,placement,ratio,platform"
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=results, STAGES=stages)
     (tmp_path / "jobs2").mkdir()
-    split, proc2 = script_calls("scripts/toy_study.sh", tmp_path / "jobs2", RESULTS=results, JOBS="2",
-                                STAGES="compare,placement,ratio")
+    split, proc2 = script_calls("scripts/toy_study.sh", tmp_path / "jobs2", RESULTS=results, JOBS="2", STAGES=stages)
     assert proc.returncode == 0 and proc2.returncode == 0, proc2.stderr
-    assert len(split) == 21 and all(len(expand(c[2:])) == 1 for c in split)
+    assert len(split) == 30 and all(len(expand(c[2:])) == 1 for c in split)
     threads = max(1, (os.cpu_count() or 1) // 2)  # train.py would take every core in each of the two
     assert all(f"train.cpu_threads={threads}" in c for c in split)
     assert study_jobs(split, results) == study_jobs(calls, results)  # the same run dirs as the whole sweeps

@@ -10,9 +10,9 @@ the band (sample std, ddof 1) and the t-test; one seed gives a line without band
 Evaluations where a run of the pair has nn_ratio < 0.8 (samples closer to training digits than
 held-out digits are) are marked "copying: comparison stopped", and so is every later evaluation.
 Runs that are unfinished, failed or without records are listed, never dropped.
-Given both, the ratio part borrows the compare part's configurations it lacks (dit as ratio 0, tread at its
-ratio) up to the ratio part's last evaluation: a ratio-0 route is the dit computation and equal seeds and
-settings train equal runs, so scripts/toy_study.sh trains only the other ratios.
+Given compare, the ratio and platform parts borrow its configurations they lack (dit, as ratio 0 too, and tread)
+up to their own last evaluation: a ratio-0 route is the dit computation and equal seeds and settings train equal
+runs, so scripts/toy_study.sh trains only the other ratios and the successors.
 """
 import csv
 import statistics
@@ -171,17 +171,24 @@ def placement_baseline(placement_runs, runs):
     return {k: (statistics.mean(v), len(v)) for k, v in out.items() if None not in v}
 
 
+BORROWING = ("ratio", "platform")  # parts that compare their runs with compare's dit and tread
+
+
 def borrow_compare_runs(parts):
-    """The ratio part plus compare's runs of configurations it has none of (no routes, or the ratio runs'
-    routes at another ratio), each cut at the ratio part's last evaluation step."""
-    ratio, compare = parts.get("ratio"), parts.get("compare")
-    if not ratio or not compare:
-        return parts
-    own, routes = {label(r) for r in ratio}, {r["routes"] for r in ratio}
-    end = max((s for r in ratio for s in r["evals"]), default=0)
-    borrowed = [dict(r, evals={s: e for s, e in r["evals"].items() if s <= end}, run=f"{r['run']} (to step {end})")
-                for r in compare if label(r) not in own and (not r["route_list"] or r["routes"] in routes)]
-    return {**parts, "ratio": ratio + borrowed}
+    """Each borrowing part plus compare's runs of configurations it has none of (no routes, or the part's routes
+    at another ratio or without its variant), each cut at the part's last evaluation step."""
+    compare = parts.get("compare")
+    out = dict(parts)
+    for name in BORROWING:
+        own_runs = parts.get(name)
+        if not own_runs or not compare:
+            continue
+        own, routes = {label(r) for r in own_runs}, {r["routes"] for r in own_runs}
+        end = max((s for r in own_runs for s in r["evals"]), default=0)
+        out[name] = own_runs + [dict(r, evals={s: e for s, e in r["evals"].items() if s <= end},
+                                     run=f"{r['run']} (to step {end})")
+                                for r in compare if label(r) not in own and (not r["route_list"] or r["routes"] in routes)]
+    return out
 
 
 def write_study(parts, runs, out, sources, replaced=()):
