@@ -270,3 +270,17 @@ def test_sprint_repa_schedule_and_late_routing_off_are_configurations_of_their_o
     assert list(groups)[0] == "dit" and sorted(groups) == sorted([
         "dit", "tread 2->8 @ 0.5", "tread 2->8 @ 0.5 (REPA block 3)", "tread 2->8 @ 0.5 (cosine schedule)",
         "tread 2->8 @ 0.5 (routing off after 600)", "tread 2->8 @ 0.75 (sprint)"])
+
+
+def test_equal_training_time_table_interpolates_at_the_fastest_configurations_end(tmp_path):
+    """tread (3 steps/s) ends its 750 steps at 250 s of training (evaluations left out); dit (2 steps/s) is then
+    at step 500: its FID there is the one at step 500, tread's the one at 750."""
+    groups = study_report.configurations(read_parts(compare_root(tmp_path)))
+    ev = groups["dit"][0]["evals"]
+    assert ev[250]["time"] == pytest.approx(125.0) and ev[750]["time"] == pytest.approx(375.0)
+    rows = {r[1]: r for r in study_report.equal_time_rows("compare", groups)}
+    assert rows["dit"][3] == f"{250 / 60:.1f}" and rows["dit"][4].startswith("500")
+    dit_500 = [fid_of("dit", s, 500) for s in range(3)]
+    assert rows["dit"][5] == study_report.pm(np.mean(dit_500), np.std(dit_500, ddof=1))
+    tread_750 = [fid_of("tread", s, 750) for s in range(3)]
+    assert rows["tread 2->8 @ 0.5"][5] == study_report.pm(np.mean(tread_750), np.std(tread_750, ddof=1))

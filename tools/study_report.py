@@ -35,13 +35,18 @@ CSV_HEADER = ["part", "baseline", "routed", "step", "metric", "baseline_n", "bas
 
 
 def evaluations(run):
-    """{step: {"time": training seconds, metric: value}} from the run's evaluation records."""
+    """{step: {"time": training seconds, metric: value}} from the run's evaluation records. The time leaves
+    the evaluations out (each costs every configuration the same: it samples without routing)."""
     try:
         records, _ = read_metrics(run["dir"] / "metrics.jsonl")
     except OSError:
         return {}
-    return {r["step"]: {"time": t, **{k: num(r.get(k)) for k, _ in METRICS}}
-            for r, t in zip(records, elapsed_seconds(records)) if "fid" in r}
+    out, evaluating = {}, 0.0
+    for r, t in zip(records, elapsed_seconds(records)):
+        evaluating += num(r.get("eval_seconds")) or 0.0
+        if "fid" in r:
+            out[r["step"]] = {"time": t - evaluating, **{k: num(r.get(k)) for k, _ in METRICS}}
+    return out
 
 
 def label(run):
@@ -90,7 +95,8 @@ def plot_part(part, groups, out, x_index):
                 ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
         if metric == "nn_ratio":
             ax.axhline(COPYING, color="0.3", linestyle=":", linewidth=1, label=f"copying below {COPYING}")
-        ax.set(xlabel="training step" if x_index == 0 else f"training wall-clock ({unit})", ylabel=title)
+        ax.set(xlabel="training step" if x_index == 0 else f"training wall-clock, evaluations left out ({unit})",
+               ylabel=title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{part}: mean ± std over seeds", fontsize=10)
@@ -155,6 +161,29 @@ def step_cost(part, groups):
     return [[part, n, len(groups[n]), cell(v), f"{v / medians[base]:.2f}x" if base else "-"] for n, v in medians.items()]
 
 
+def equal_time_rows(part, groups):
+    """Each configuration at the training time the fastest one needed for all its steps (its runs' mean): FID and
+    class_acc interpolated in time between each run's evaluations, then mean ± std over seeds."""
+    ends = [statistics.mean(r["evals"][max(r["evals"])]["time"] for r in g if r["evals"])
+            for g in groups.values() if any(r["evals"] for r in g)]
+    if len(ends) < 2:
+        return []
+    at = min(ends)
+    rows = []
+    for name, members in groups.items():
+        cells = [part, name, len(members), f"{at / 60:.1f}"]
+        for metric in ("step", *TESTED):
+            vals = []
+            for r in members:
+                points = sorted((e["time"], s if metric == "step" else e[metric]) for s, e in r["evals"].items()
+                                if metric == "step" or e[metric] is not None)
+                if points and points[0][0] <= at <= points[-1][0]:
+                    vals.append(float(np.interp(at, *zip(*points))))
+            cells.append(pm(statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else None) if vals else "-")
+        rows.append(cells)
+    return rows
+
+
 def final_values(members, metric):
     vals = [r["evals"][max(r["evals"])][metric] for r in members if r["evals"]]
     vals = [v for v in vals if v is not None]
@@ -197,7 +226,7 @@ def write_study(parts, runs, out, sources, replaced=()):
              "Bands: mean ± sample std over seeds. Difference: routed - baseline. Welch p: "
              "scipy.stats.ttest_ind(equal_var=False); '-' with fewer than 2 seeds on a side or after copying "
              f"(any run of the pair with nn_ratio < {COPYING}).", ""]
-    csv_rows, cost, ratio_table = [], [], []
+    csv_rows, cost, ratio_table, same_time = [], [], [], []
     for part, members in parts.items():
         groups = configurations(members)
         lines += [f"## {part}", ""]
@@ -211,6 +240,7 @@ def write_study(parts, runs, out, sources, replaced=()):
         csv_rows += rows
         lines += welch_section(rows)
         cost += step_cost(part, groups)
+        same_time += equal_time_rows(part, groups)
         if part == "placement" or (len(groups) > 1 and all(len(g) == 1 for g in groups.values())):
             plot_routes(members, out, placement_baseline(members, runs), stem=f"study_{part}_routes")
             lines += [f"![route placement](study_{part}_routes.png) (baseline: no-routing runs at the same step)", ""]
@@ -220,6 +250,11 @@ def write_study(parts, runs, out, sources, replaced=()):
     if ratio_table:
         lines += ["## Selection ratio (final evaluation, mean ± std over seeds)", "",
                   md_table(["part", "configuration", "runs", "final FID", "final class_acc", "step"], ratio_table), ""]
+    if same_time:
+        lines += ["## At equal training time (the fastest configuration's end; evaluations left out)", "",
+                  "Each run's FID and class_acc interpolated linearly in training time between its evaluations; "
+                  "step: the step it had reached. '-': the configuration's runs had not reached that time.", "",
+                  md_table(["part", "configuration", "runs", "minutes", "step", "FID", "class_acc"], same_time), ""]
     lines += ["## Step cost measured in these runs (median of the runs' median steps/s)", "",
               md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost), ""]
     odd = [r for r in runs if r["status"] != "completed" or not r["evals"] or r["notes"]]
