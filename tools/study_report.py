@@ -171,7 +171,8 @@ def equal_time_rows(part, groups):
     at = min(ends)
     rows = []
     for name, members in groups.items():
-        cells = [part, name, len(members), f"{at / 60:.1f}"]
+        cells = [part, name, sum(1 for r in members if r["evals"] and r["evals"][max(r["evals"])]["time"] >= at),
+                 f"{at / 60:.1f}"]
         for metric in ("step", *TESTED):
             vals = []
             for r in members:
@@ -254,7 +255,7 @@ def write_study(parts, runs, out, sources, replaced=()):
         lines += ["## At equal training time (the fastest configuration's end; evaluations left out)", "",
                   "Each run's FID and class_acc interpolated linearly in training time between its evaluations; "
                   "step: the step it had reached. '-': the configuration's runs had not reached that time.", "",
-                  md_table(["part", "configuration", "runs", "minutes", "step", "FID", "class_acc"], same_time), ""]
+                  md_table(["part", "configuration", "runs there", "minutes", "step", "FID", "class_acc"], same_time), ""]
     lines += ["## Step cost measured in these runs (median of the runs' median steps/s)", "",
               md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost), ""]
     odd = [r for r in runs if r["status"] != "completed" or not r["evals"] or r["notes"]]
