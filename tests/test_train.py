@@ -136,6 +136,16 @@ def test_kill9_resume_is_bit_identical(tmp_path, uninterrupted, model, when, ste
     assert fids == {s: straight_fids[s] for s in fids} and 40 in fids, "evaluation is deterministic too"
 
 
+def test_logged_throughput_leaves_out_evaluations_inside_a_log_interval(tmp_path):
+    """On a fake clock (1 s per step, 1000 s per evaluation; tests/train_clocked.py) every logged steps/s is
+    exactly 1, also for intervals with an evaluation inside (every 5 steps, logging every 10)."""
+    run_script("tests/train_clocked.py", f"results_dir={tmp_path}", "run_name=clock", *tiny_overrides("dit"),
+               "train.max_steps=20", "train.ckpt_every=20", "train.logging.log_interval=10",
+               "train.eval.eval_interval=5", "train.eval.fid_num_samples=128", check=True)
+    logged = [(r["step"], r["steps_per_sec"]) for r in read_metrics(tmp_path / "clock") if "steps_per_sec" in r]
+    assert logged == [(10, 1.0), (20, 1.0)]
+
+
 @pytest.mark.parametrize("model", ["dit", "tread"])
 def test_evaluation_does_not_change_training(tmp_path, uninterrupted, model):
     run_script("train.py", *resume_args(model, tmp_path, "no_eval", "train.eval.eval_interval=0"), check=True)

@@ -359,8 +359,9 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
             # Evaluate.
             if run.evaluator is not None and (step % t.eval.eval_interval == 0 or step == t.max_steps) \
                     and not stop_now:
+                t_eval = time.time()
                 evaluate(run, step)
-                t_log = time.time()  # evaluation time is not training time
+                t_log += time.time() - t_eval  # evaluation time is not training time (the interval's steps still count)
                 heartbeat()
             if stop_now:
                 bar.close()
