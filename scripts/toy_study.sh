@@ -20,7 +20,7 @@
 #
 #   scripts/toy_study.sh                                  # every stage, defaults below
 #   STAGES=compare scripts/toy_study.sh                   # find the window before copying first
-#   STAGES=placement,ratio,report PLACEMENT_STEPS=1000 RATIO_STEPS=1000 scripts/toy_study.sh
+#   STAGES=placement,ratio,report PLACEMENT_STEPS=1000 RATIO_STEPS=1000 scripts/toy_study.sh  # shorter
 #   scripts/toy_study.sh train.mixed_precision=bf16       # extra overrides go to every train.py run
 #   JOBS=2 scripts/toy_study.sh                           # 2 runs at a time, each on nproc / JOBS threads
 #
@@ -32,8 +32,8 @@ cd "$(dirname "$0")/.."
 
 STAGES=${STAGES:-compare,placement,ratio,platform,guidance,report}
 STEPS=${STEPS:-3000}                      # compare's budget (issue 15: to 3,000 steps)
-PLACEMENT_STEPS=${PLACEMENT_STEPS:-1500}  # where compare separates best: set it from compare's report
-RATIO_STEPS=${RATIO_STEPS:-1500}
+PLACEMENT_STEPS=${PLACEMENT_STEPS:-2000}  # where compare separates best (class_acc Welch p 0.008 at 2,000; docs/results.md)
+RATIO_STEPS=${RATIO_STEPS:-2000}
 RATIOS=${RATIOS:-0.25,0.75}               # RATIOS=0,0.25,0.5,0.75 trains all four without compare
 GUIDANCE_SCALES=${GUIDANCE_SCALES:-1.5 2 3}
 EVAL_EVERY=${EVAL_EVERY:-250}             # FID + class_acc + nn_ratio every this many steps
