@@ -120,6 +120,22 @@ def test_copying_stops_the_comparison_from_that_step_on(tmp_path):
         assert notes[(step, "fid")][1].startswith("copying: comparison stopped")
 
 
+def test_each_configurations_last_grid_is_copied_and_shown(tmp_path):
+    root = compare_root(tmp_path)
+    for run in root.iterdir():
+        (run / "samples").mkdir()
+        for step in STEPS:
+            (run / "samples" / f"step_{step:08d}.png").write_bytes(f"{run.name} {step}".encode())
+    out = tmp_path / "out"
+    run_script("tools.study_report", root, "--out", out, check=True)
+    md = (out / "study.md").read_text()
+    for name, stem in (("global_seed=0,model=dit", "study_compare_dit_samples"),
+                       ("global_seed=0,model=tread", "study_compare_tread_2_8_0.5_samples")):
+        assert (out / f"{stem}.png").read_bytes() == f"{name} 750".encode()
+        assert f"({stem}.png)" in md
+    assert "dit, seed 0, step 750:" in md
+
+
 def test_one_seed_gets_no_band_and_no_p_value(tmp_path):
     root = tmp_path / "ratio"
     write_run(root, "a", "tread", 0, route=(2, 8, 0.0))
@@ -165,11 +181,11 @@ def test_bad_input_is_one_error_line(tmp_path, case):
 
 def study_jobs(calls, results):
     """{run dir: (model, seed, route or None)} of every job the script's train.py calls launch, each job's
-    settings checked against the issue's (compare 3000 steps, placement and ratio 1500, eval every 250)."""
+    settings checked against the issue's (compare 3000 steps, placement and ratio 2000, eval every 250)."""
     jobs = {}
     for call in calls:
         steps = {"compare": 3000, "platform": 3000}.get(next(a for a in call if a.startswith("run_name=")).split("=")[1],
-                                                        1500)
+                                                        2000)
         for job in expand(call[2:]):
             cfg = compose_cfg(job)
             assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples,

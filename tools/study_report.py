@@ -15,6 +15,8 @@ up to their own last evaluation: a ratio-0 route is the dit computation and equa
 runs, so scripts/toy_study.sh trains only the other ratios and the successors.
 """
 import csv
+import re
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -185,6 +187,20 @@ def equal_time_rows(part, groups):
     return rows
 
 
+def sample_grids(part, groups, out):
+    """Each configuration's sample grid at its last evaluation (train.py's own, lowest seed), copied next to the
+    report so that the page shows what the numbers score."""
+    lines = []
+    for name, members in groups.items():
+        run = next((r for r in members if r["evals"]), None)
+        grid = run and run["dir"] / "samples" / f"step_{max(run['evals']):08d}.png"
+        if grid and grid.is_file():
+            stem = f"study_{part}_{re.sub(r'[^A-Za-z0-9.]+', '_', name).strip('_')}_samples"
+            shutil.copyfile(grid, out / f"{stem}.png")
+            lines += [f"{name}, seed {run['seed']}, step {max(run['evals'])}:", "", f"![{name} samples]({stem}.png)", ""]
+    return lines
+
+
 def final_values(members, metric):
     vals = [r["evals"][max(r["evals"])][metric] for r in members if r["evals"]]
     vals = [v for v in vals if v is not None]
@@ -240,6 +256,8 @@ def write_study(parts, runs, out, sources, replaced=()):
                 for row in welch_rows(part, base[0], base[1], n, g)]
         csv_rows += rows
         lines += welch_section(rows)
+        grids = sample_grids(part, groups, out) if part != "placement" else []
+        lines += [f"### {part}: samples", "", *grids] if grids else []
         cost += step_cost(part, groups)
         same_time += equal_time_rows(part, groups)
         if part == "placement" or (len(groups) > 1 and all(len(g) == 1 for g in groups.values())):
