@@ -11,6 +11,7 @@
 #   guidance   tools/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
 #              GUIDANCE_SCALES, equal network evaluations, EVAL_SAMPLES samples    -> $REPORT/guidance/
 #   report     tools/study_report.py over the training parts run so far                 -> $REPORT/
+#              and tools/digits_reference_limit.py: real digits scored as EVAL_SAMPLES samples are -> $REPORT/reference_limit/
 # Every run evaluates FID, class_acc and nn_ratio every EVAL_EVERY steps on EVAL_SAMPLES samples and
 # keeps a checkpoint at each evaluation, so an interrupted run loses at most EVAL_EVERY steps.
 #
@@ -125,4 +126,5 @@ if wanted report; then
   for part in compare placement ratio platform; do [[ -d "$RESULTS/$part" ]] && roots+=("$RESULTS/$part"); done
   (( ${#roots[@]} )) || { echo "error: no study runs under $RESULTS (run a training stage first)" >&2; exit 2; }
   "$PYTHON" -m tools.study_report "${roots[@]}" --out "$REPORT"
+  "$PYTHON" -m tools.digits_reference_limit --num-samples "$EVAL_SAMPLES" --out "$REPORT/reference_limit"
 fi

@@ -206,8 +206,10 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
     (results / "compare").mkdir(parents=True)  # only compare has runs: the report reads only that part
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep")
     assert proc.returncode == 0, proc.stderr
-    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 6 + [["-m", "tools.guidance_eval"], ["-m", "tools.study_report"]]
-    assert calls[-1][2:] == [str(results / "compare"), "--out", "rep"]
+    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 6 + [["-m", "tools.guidance_eval"],
+                                                                 ["-m", "tools.study_report"], ["-m", "tools.digits_reference_limit"]]
+    assert calls[-2][2:] == [str(results / "compare"), "--out", "rep"]
+    assert calls[-1][2:] == ["--num-samples", "512", "--out", "rep/reference_limit"]
     jobs = study_jobs(calls[:6], results)
     part = lambda name: sorted(v for k, v in jobs.items() if k.startswith(f"{results}/{name}/"))
     assert part("compare") == sorted([("dit", s, None) for s in range(3)] + [("tread", s, (2, 8, 0.5)) for s in range(3)])
