@@ -8,6 +8,8 @@
 #   platform   the successors against compare's dit and tread, seeds 0, 1, 2, STEPS    -> $RESULTS/platform/
 #              SPRINT (route 2 -> 9 at 0.75, fusion sprint: 2 dense blocks on each side, as theirs), tread + REPA
 #              (block 3, the digits classifier's map), tread with routing off for the last 20% of the steps
+#   cost       the step cost alone: dit, tread at 0.25 / 0.5 / 0.75, SPRINT and tread + REPA, one run at a time
+#              (whatever JOBS is; each on the threads a study run gets), COST_STEPS steps, no evaluation -> $RESULTS/cost/
 #   guidance   tools/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
 #              GUIDANCE_SCALES, equal network evaluations, EVAL_SAMPLES samples    -> $REPORT/guidance/
 #   report     tools/study_report.py over the training parts run so far                 -> $REPORT/
@@ -31,11 +33,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES=${STAGES:-compare,placement,ratio,platform,guidance,report}
+STAGES=${STAGES:-compare,placement,ratio,platform,cost,guidance,report}
 STEPS=${STEPS:-3000}                      # compare's budget (issue 15: to 3,000 steps)
 PLACEMENT_STEPS=${PLACEMENT_STEPS:-2000}  # where compare separates best (class_acc Welch p 0.008 at 2,000; docs/results.md)
 RATIO_STEPS=${RATIO_STEPS:-2000}
 RATIOS=${RATIOS:-0.25,0.75}               # RATIOS=0,0.25,0.5,0.75 trains all four without compare
+COST_STEPS=${COST_STEPS:-400}
 GUIDANCE_SCALES=${GUIDANCE_SCALES:-1.5 2 3}
 EVAL_EVERY=${EVAL_EVERY:-250}             # FID + class_acc + nn_ratio every this many steps
 EVAL_SAMPLES=${EVAL_SAMPLES:-512}
@@ -51,8 +54,8 @@ if (( JOBS > 1 )); then  # train.py sets its own threads (train.cpu_threads, aut
 fi
 
 for stage in ${STAGES//,/ }; do
-  case "$stage" in compare|placement|ratio|platform|guidance|report) ;; *) echo "error: unknown stage '$stage' in" \
-    "STAGES=$STAGES (compare, placement, ratio, platform, guidance, report)" >&2; exit 2;; esac
+  case "$stage" in compare|placement|ratio|platform|cost|guidance|report) ;; *) echo "error: unknown stage '$stage'" \
+    "in STAGES=$STAGES (compare, placement, ratio, platform, cost, guidance, report)" >&2; exit 2;; esac
 done
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 train() {  # train <steps> <run_name> <sweep overrides...> [extra overrides from the command line]
@@ -115,6 +118,13 @@ if wanted platform; then
   sweep "$STEPS" platform "model=tread global_seed=0,1,2 $sprint" "model=tread global_seed=0,1,2 repa.enabled=true" \
     "model=tread global_seed=0,1,2 train.routing_off_after=$(( STEPS * 4 / 5 ))"
 fi
+if wanted cost; then  # runs sharing the cores slow each other unevenly: here each has the machine to itself
+  for job in "model=dit" "model=tread $route.selection_ratio=0.25,0.5,0.75" "model=tread $sprint" \
+      "model=tread repa.enabled=true"; do
+    # shellcheck disable=SC2086  # a job is split into its overrides on purpose
+    train "$COST_STEPS" cost global_seed=0 $job train.eval.eval_interval=0 "train.ckpt_every=$COST_STEPS" "${EXTRA[@]}"
+  done
+fi
 if wanted guidance; then  # the SPRINT seed-0 run's directory: its overrides, sorted (Hydra's override_dirname)
   run=$(printf '%s\n' global_seed=0 model=tread $sprint | LC_ALL=C sort | paste -sd, -)
   # shellcheck disable=SC2086  # the scales are separate arguments
@@ -123,7 +133,7 @@ if wanted guidance; then  # the SPRINT seed-0 run's directory: its overrides, so
 fi
 if wanted report; then
   roots=()  # the parts run so far (study.md names its sources); none at all is the report's error
-  for part in compare placement ratio platform; do [[ -d "$RESULTS/$part" ]] && roots+=("$RESULTS/$part"); done
+  for part in compare placement ratio platform cost; do [[ -d "$RESULTS/$part" ]] && roots+=("$RESULTS/$part"); done
   (( ${#roots[@]} )) || { echo "error: no study runs under $RESULTS (run a training stage first)" >&2; exit 2; }
   "$PYTHON" -m tools.study_report "${roots[@]}" --out "$REPORT"
   "$PYTHON" -m tools.digits_reference_limit --num-samples "$EVAL_SAMPLES" --out "$REPORT/reference_limit"

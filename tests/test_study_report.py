@@ -136,6 +136,19 @@ def test_each_configurations_last_grid_is_copied_and_shown(tmp_path):
     assert "dit, seed 0, step 750:" in md
 
 
+def test_cost_part_gives_the_step_cost_alone_and_no_evaluations_are_expected_of_it(tmp_path):
+    cost = tmp_path / "cost"
+    write_run(cost, "global_seed=0,model=dit", "dit", evals=[], speed=2.0)
+    write_run(cost, "global_seed=0,model=tread", "tread", evals=[], speed=3.0)
+    out = tmp_path / "out"
+    run_script("tools.study_report", compare_root(tmp_path), cost, "--out", out, check=True)
+    md = (out / "study.md").read_text()
+    alone = md.split("## Step cost with the machine to itself")[1]
+    assert "| cost | dit | 1 | 2 | 1.00x |" in alone and "| cost | tread 2->8 @ 0.5 | 1 | 3 | 1.50x |" in alone
+    assert "## cost" not in md and "none: every run completed" in md
+    assert not list(out.glob("study_cost_*"))
+
+
 def test_one_seed_gets_no_band_and_no_p_value(tmp_path):
     root = tmp_path / "ratio"
     write_run(root, "a", "tread", 0, route=(2, 8, 0.0))
@@ -181,15 +194,16 @@ def test_bad_input_is_one_error_line(tmp_path, case):
 
 def study_jobs(calls, results):
     """{run dir: (model, seed, route or None)} of every job the script's train.py calls launch, each job's
-    settings checked against the issue's (compare 3000 steps, placement and ratio 2000, eval every 250)."""
+    settings checked against the issue's (compare 3000 steps, placement and ratio 2000, eval every 250; the cost
+    runs 400 steps without evaluation)."""
     jobs = {}
     for call in calls:
-        steps = {"compare": 3000, "platform": 3000}.get(next(a for a in call if a.startswith("run_name=")).split("=")[1],
-                                                        2000)
+        name = next(a for a in call if a.startswith("run_name=")).split("=")[1]
+        steps, every = {"compare": (3000, 250), "platform": (3000, 250), "cost": (400, 0)}.get(name, (2000, 250))
         for job in expand(call[2:]):
             cfg = compose_cfg(job)
             assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples,
-                    cfg.train.ckpt_every) == (steps, 250, 512, 250)
+                    cfg.train.ckpt_every) == (steps, every, 512, every or steps)
             assert cfg.model.backbone_type == "DiT-D/4" and cfg.dataset.name == "digits"
             key = f"{cfg.results_dir}/{cfg.run_name}/{cfg.hydra.job.override_dirname}"
             routes = [(r.start_layer_idx, r.end_layer_idx, r.selection_ratio) for r in cfg.model.params.routes]
@@ -206,7 +220,7 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
     (results / "compare").mkdir(parents=True)  # only compare has runs: the report reads only that part
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep")
     assert proc.returncode == 0, proc.stderr
-    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 6 + [["-m", "tools.guidance_eval"],
+    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 10 + [["-m", "tools.guidance_eval"],
                                                                  ["-m", "tools.study_report"], ["-m", "tools.digits_reference_limit"]]
     assert calls[-2][2:] == [str(results / "compare"), "--out", "rep"]
     assert calls[-1][2:] == ["--num-samples", "512", "--out", "rep/reference_limit"]
@@ -220,7 +234,12 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
                                       [("tread", s, (2, 8, 0.5), ("none", False, 2400)) for s in range(3)])
     assert len(jobs) == 6 + 9 + 6 + 9  # every run its own dir; ratios 0 and 0.5 are compare's runs
     sprint_seed0 = next(k for k, v in jobs.items() if v[1:] == (0, (2, 9, 0.75), ("sprint", False, None)))
-    guidance = calls[6][2:]
+    cost = study_jobs(calls[6:10], results)  # one train.py call at a time, so one run at a time
+    assert sorted(cost.values()) == sorted([("dit", 0, None)] + [("tread", 0, (2, 8, r)) for r in (0.25, 0.5, 0.75)] +
+                                           [("tread", 0, (2, 9, 0.75), ("sprint", False, None)),
+                                            ("tread", 0, (2, 8, 0.5), ("none", True, None))])
+    assert all(k.startswith(f"{results}/cost/") for k in cost)
+    guidance = calls[10][2:]
     assert guidance[0] == sprint_seed0 and guidance[-2:] == ["--out", "rep/guidance"]
     assert guidance[1:9] == ["--cfg-scales", "1.5", "2", "3", "--pdg-scales", "1.5", "2", "3"]
     assert guidance[9:11] == ["--num-samples", "512"]

@@ -1,6 +1,7 @@
 """Issue 15's study report: mean ± std curves per configuration, a per-step Welch test of each routed
 configuration against the no-routing one, the step cost measured in the same runs, the route placement
-chart and the selection-ratio table.
+chart and the selection-ratio table. A part named `cost` (toy_study.sh's cost stage: one run at a time, no
+evaluation) gives only a step-cost table, measured with the machine to itself.
 
     python -m tools.study_report results/study/compare results/study/placement results/study/ratio --out docs/results
 
@@ -217,6 +218,7 @@ def placement_baseline(placement_runs, runs):
     return {k: (statistics.mean(v), len(v)) for k, v in out.items() if None not in v}
 
 
+ALONE = "cost"  # the part whose runs only time steps, one run at a time (scripts/toy_study.sh's cost stage)
 BORROWING = ("ratio", "platform")  # parts that compare their runs with compare's dit and tread
 
 
@@ -243,9 +245,12 @@ def write_study(parts, runs, out, sources, replaced=()):
              "Bands: mean ± sample std over seeds. Difference: routed - baseline. Welch p: "
              "scipy.stats.ttest_ind(equal_var=False); '-' with fewer than 2 seeds on a side or after copying "
              f"(any run of the pair with nn_ratio < {COPYING}).", ""]
-    csv_rows, cost, ratio_table, same_time = [], [], [], []
+    csv_rows, cost, cost_alone, ratio_table, same_time = [], [], [], [], []
     for part, members in parts.items():
         groups = configurations(members)
+        if part == ALONE:  # timing runs, no evaluations
+            cost_alone += step_cost(part, groups)
+            continue
         lines += [f"## {part}", ""]
         for x_index in (0, 1):
             stem = plot_part(part, groups, out, x_index)
@@ -276,7 +281,10 @@ def write_study(parts, runs, out, sources, replaced=()):
                   md_table(["part", "configuration", "runs there", "minutes", "step", "FID", "class_acc"], same_time), ""]
     lines += ["## Step cost measured in these runs (median of the runs' median steps/s)", "",
               md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost), ""]
-    odd = [r for r in runs if r["status"] != "completed" or not r["evals"] or r["notes"]]
+    if cost_alone:
+        lines += ["## Step cost with the machine to itself (one run at a time, no evaluation; median steps/s)", "",
+                  md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost_alone), ""]
+    odd = [r for r in runs if r["status"] != "completed" or r["notes"] or not (r["evals"] or r.get("part") == ALONE)]
     lines += ["## Runs not complete or with problems", ""] + ([
         md_table(["run", "status", "steps", "evaluations", "note"],
                  [[r["run"], r["status"], cell(r["steps"]), len(r["evals"]), "; ".join(r["notes"])] for r in odd])]
@@ -301,6 +309,7 @@ def main(argv=None):
     for r in runs:
         r["evals"] = evaluations(r)
         root = next(p for p in roots if r["dir"].resolve().is_relative_to(p))
+        r["part"] = root.name
         parts.setdefault(root.name, []).append(r)
     try:
         write_study(borrow_compare_runs(parts), runs, Path(args.out), args.paths, replaced)
