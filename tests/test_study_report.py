@@ -147,6 +147,12 @@ def test_cost_part_gives_the_step_cost_alone_and_no_evaluations_are_expected_of_
     assert "| cost | dit | 1 | 2 | 1.00x |" in alone and "| cost | tread 2->8 @ 0.5 | 1 | 3 | 1.50x |" in alone
     assert "## cost" not in md and "none: every run completed" in md
     assert not list(out.glob("study_cost_*"))
+    # equal time at those costs: tread's 750 steps take 250 s at 3 steps/s, when dit at 2 steps/s is at step 500
+    equal = md.split("## At equal training time, each step costing what it cost alone")[1].split("##")[0]
+    dit, tread = ([fid_of(m, s, step) for s in range(3)] for m, step in (("dit", 500), ("tread", 750)))
+    assert f"| compare | dit | 2 | 4.2 | 500 | {study_report.pm(np.mean(dit), np.std(dit, ddof=1))} |" in equal
+    assert f"| compare | tread 2->8 @ 0.5 | 3 | 4.2 | 750 | {study_report.pm(np.mean(tread), np.std(tread, ddof=1))} |" \
+        in equal
 
 
 def test_one_seed_gets_no_band_and_no_p_value(tmp_path):

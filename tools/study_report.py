@@ -1,7 +1,8 @@
 """Issue 15's study report: mean ± std curves per configuration, a per-step Welch test of each routed
 configuration against the no-routing one, the step cost measured in the same runs, the route placement
 chart and the selection-ratio table. A part named `cost` (toy_study.sh's cost stage: one run at a time, no
-evaluation) gives only a step-cost table, measured with the machine to itself.
+evaluation) gives only a step-cost table, measured with the machine to itself, and a second equal-time table
+where every step costs what it cost alone (runs that share the cores slow each other unevenly).
 
     python -m tools.study_report results/study/compare results/study/placement results/study/ratio --out docs/results
 
@@ -202,6 +203,31 @@ def sample_grids(part, groups, out):
     return lines
 
 
+def equal_cost_rows(part, groups, rates):
+    """Each configuration at equal training time with every step costing what the cost part measured alone
+    (`rates`: {label: steps/s}): the time the fastest configuration needs for its last evaluated step, the step
+    each run reaches in it, FID and class_acc interpolated there (mean ± std over seeds)."""
+    last = {n: min(max(r["evals"]) for r in g if r["evals"]) for n, g in groups.items() if any(r["evals"] for r in g)}
+    timed = {n: s / rates[n] for n, s in last.items() if n in rates}
+    if len(timed) < 2:
+        return []
+    at = min(timed.values())
+    rows = []
+    for name, members in groups.items():
+        if name not in timed:
+            rows.append([part, name, "-", f"{at / 60:.1f}", "-", "-", "-"])
+            continue
+        step = at * rates[name]
+        cells = []
+        for metric in TESTED:
+            vals = [float(np.interp(step, *zip(*sorted((s, e[metric]) for s, e in r["evals"].items()
+                                                          if e[metric] is not None))))
+                    for r in members if r["evals"] and min(r["evals"]) <= step <= max(r["evals"])]
+            cells.append(pm(statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else None) if vals else "-")
+        rows.append([part, name, f"{rates[name]:.3g}", f"{at / 60:.1f}", f"{step:.0f}", *cells])
+    return rows
+
+
 def final_values(members, metric):
     vals = [r["evals"][max(r["evals"])][metric] for r in members if r["evals"]]
     vals = [v for v in vals if v is not None]
@@ -245,7 +271,9 @@ def write_study(parts, runs, out, sources, replaced=()):
              "Bands: mean ± sample std over seeds. Difference: routed - baseline. Welch p: "
              "scipy.stats.ttest_ind(equal_var=False); '-' with fewer than 2 seeds on a side or after copying "
              f"(any run of the pair with nn_ratio < {COPYING}).", ""]
-    csv_rows, cost, cost_alone, ratio_table, same_time = [], [], [], [], []
+    csv_rows, cost, cost_alone, ratio_table, same_time, same_cost = [], [], [], [], [], []
+    rates = {n: statistics.median(v) for n, g in configurations(parts.get(ALONE, [])).items()
+             if (v := [r["steps_per_sec"] for r in g if r["steps_per_sec"]])}
     for part, members in parts.items():
         groups = configurations(members)
         if part == ALONE:  # timing runs, no evaluations
@@ -265,6 +293,7 @@ def write_study(parts, runs, out, sources, replaced=()):
         lines += [f"### {part}: samples", "", *grids] if grids else []
         cost += step_cost(part, groups)
         same_time += equal_time_rows(part, groups)
+        same_cost += equal_cost_rows(part, groups, rates)
         if part == "placement" or (len(groups) > 1 and all(len(g) == 1 for g in groups.values())):
             plot_routes(members, out, placement_baseline(members, runs), stem=f"study_{part}_routes")
             lines += [f"![route placement](study_{part}_routes.png) (baseline: no-routing runs at the same step)", ""]
@@ -284,6 +313,13 @@ def write_study(parts, runs, out, sources, replaced=()):
     if cost_alone:
         lines += ["## Step cost with the machine to itself (one run at a time, no evaluation; median steps/s)", "",
                   md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost_alone), ""]
+    if same_cost:
+        lines += ["## At equal training time, each step costing what it cost alone", "",
+                  "The time the fastest configuration needs for its last evaluated step at the steps/s measured alone "
+                  "(cost part); the step each configuration reaches in that time at its own steps/s; FID and class_acc "
+                  "interpolated linearly in step between evaluations. '-': no cost run of that configuration.", "",
+                  md_table(["part", "configuration", "steps/s alone", "minutes", "step", "FID", "class_acc"],
+                           same_cost), ""]
     odd = [r for r in runs if r["status"] != "completed" or r["notes"] or not (r["evals"] or r.get("part") == ALONE)]
     lines += ["## Runs not complete or with problems", ""] + ([
         md_table(["run", "status", "steps", "evaluations", "note"],
