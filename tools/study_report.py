@@ -97,6 +97,8 @@ def plot_part(part, groups, out, x_index):
             std = np.array([np.nan if p[3] is None else p[3] for p in points])
             if np.isfinite(std).any():
                 ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
+        if metric == "fid":  # log: the late differences of a few FID are the ones that matter
+            ax.set_yscale("log")
         if metric == "nn_ratio":
             ax.axhline(COPYING, color="0.3", linestyle=":", linewidth=1, label=f"copying below {COPYING}")
         ax.set(xlabel="training step" if x_index == 0 else f"training wall-clock, evaluations left out ({unit})",
