@@ -12,6 +12,9 @@
 #              (whatever JOBS is; each on the threads a study run gets), COST_STEPS steps, no evaluation -> $RESULTS/cost/
 #   guidance   tools/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
 #              GUIDANCE_SCALES, equal network evaluations, EVAL_SAMPLES samples    -> $REPORT/guidance/
+#   archive    each run's config.yaml, status.json, metrics.jsonl and newest sample grid -> $ARCHIVE/<part>/<run>/
+#              (kilobytes a run, no checkpoints: commit it, and the report rebuilds from it with RESULTS=$ARCHIVE
+#              after the run folders are gone; rerun it as runs finish, it replaces what it copied before)
 #   report     tools/study_report.py over the training parts run so far                 -> $REPORT/
 #              and tools/digits_reference_limit.py: real digits scored as EVAL_SAMPLES samples are -> $REPORT/reference_limit/
 # Every run evaluates FID, class_acc and nn_ratio every EVAL_EVERY steps on EVAL_SAMPLES samples and
@@ -33,7 +36,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES=${STAGES:-compare,placement,ratio,platform,cost,guidance,report}
+STAGES=${STAGES:-compare,placement,ratio,platform,cost,guidance,archive,report}
 STEPS=${STEPS:-3000}                      # compare's budget (issue 15: to 3,000 steps)
 PLACEMENT_STEPS=${PLACEMENT_STEPS:-2000}  # where compare separates best (class_acc Welch p 0.008 at 2,000; docs/results.md)
 RATIO_STEPS=${RATIO_STEPS:-2000}
@@ -44,6 +47,7 @@ EVAL_EVERY=${EVAL_EVERY:-250}             # FID + class_acc + nn_ratio every thi
 EVAL_SAMPLES=${EVAL_SAMPLES:-512}
 RESULTS=${RESULTS:-results/study}
 REPORT=${REPORT:-docs/results}
+ARCHIVE=${ARCHIVE:-docs/results/runs}
 PYTHON=${PYTHON:-python}
 JOBS=${JOBS:-1}
 EXTRA=("$@")
@@ -54,8 +58,8 @@ if (( JOBS > 1 )); then  # train.py sets its own threads (train.cpu_threads, aut
 fi
 
 for stage in ${STAGES//,/ }; do
-  case "$stage" in compare|placement|ratio|platform|cost|guidance|report) ;; *) echo "error: unknown stage '$stage'" \
-    "in STAGES=$STAGES (compare, placement, ratio, platform, cost, guidance, report)" >&2; exit 2;; esac
+  case "$stage" in compare|placement|ratio|platform|cost|guidance|archive|report) ;; *) echo "error: unknown stage" \
+    "'$stage' in STAGES=$STAGES (compare, placement, ratio, platform, cost, guidance, archive, report)" >&2; exit 2;; esac
 done
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 train() {  # train <steps> <run_name> <sweep overrides...> [extra overrides from the command line]
@@ -130,6 +134,21 @@ if wanted guidance; then  # the SPRINT seed-0 run's directory: its overrides, so
   # shellcheck disable=SC2086  # the scales are separate arguments
   "$PYTHON" -m tools.guidance_eval "$RESULTS/platform/$run" --cfg-scales $GUIDANCE_SCALES \
     --pdg-scales $GUIDANCE_SCALES --num-samples "$EVAL_SAMPLES" --out "$REPORT/guidance"
+fi
+if wanted archive; then
+  for part in compare placement ratio platform cost; do
+    [[ -d "$RESULTS/$part" ]] || continue
+    while IFS= read -r -d '' status; do
+      run=$(dirname "$status")
+      dest="$ARCHIVE/$part/${run#"$RESULTS/$part/"}"
+      mkdir -p "$dest"
+      rm -rf "$dest/samples"
+      for f in config.yaml status.json metrics.jsonl; do [[ -f "$run/$f" ]] && cp "$run/$f" "$dest/"; done
+      grid=$(find "$run/samples" -maxdepth 1 -name 'step_*.png' 2>/dev/null | LC_ALL=C sort | tail -n 1)
+      if [[ -n "$grid" ]]; then mkdir -p "$dest/samples" && cp "$grid" "$dest/samples/"; fi
+    done < <(find "$RESULTS/$part" -name status.json -not -path '*.replaced-*' -print0)
+  done
+  echo "archived the runs under $RESULTS -> $ARCHIVE"
 fi
 if wanted report; then
   roots=()  # the parts run so far (study.md names its sources); none at all is the report's error

@@ -224,7 +224,8 @@ def study_jobs(calls, results):
 def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
     results = tmp_path / "res"
     (results / "compare").mkdir(parents=True)  # only compare has runs: the report reads only that part
-    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep")
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep",
+                               ARCHIVE=str(tmp_path / "archive"))
     assert proc.returncode == 0, proc.stderr
     assert [c[:2] for c in calls] == [["train.py", "-m"]] * 10 + [["-m", "tools.guidance_eval"],
                                                                  ["-m", "tools.study_report"], ["-m", "tools.digits_reference_limit"]]
@@ -277,6 +278,35 @@ def test_toy_study_runs_only_the_chosen_stages(tmp_path):
     (tmp_path / "none").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "none", STAGES="report", RESULTS=str(tmp_path / "x"))
     assert proc.returncode == 2 and proc.stderr.startswith("error: no study runs under") and not calls
+
+
+def test_archive_keeps_what_the_report_reads_and_the_report_rebuilds_from_it(tmp_path):
+    """The archive stage copies config, status, metrics and the newest sample grid of every run, not the
+    checkpoints; a second pass replaces the grid; the report made from the archive equals the one from the runs."""
+    results, archive = tmp_path / "res", tmp_path / "archive"
+    compare = compare_root(results)
+    runs = sorted(p for p in compare.iterdir() if p.is_dir())
+    for run in runs:
+        (run / "samples").mkdir()
+        for step in (250, 500):
+            (run / "samples" / f"step_{step:08d}.png").write_bytes(b"png")
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "latest.pt").write_bytes(b"weights")
+    (compare.parent / "placement").mkdir()  # a part with no run yet
+    env = dict(RESULTS=str(results), ARCHIVE=str(archive), STAGES="archive")
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, **env)
+    assert proc.returncode == 0 and not calls, proc.stderr
+    (runs[0] / "samples" / "step_00000750.png").write_bytes(b"newer")
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path, **env)
+    assert proc.returncode == 0, proc.stderr
+    kept = sorted(str(p.relative_to(archive)) for p in archive.rglob("*") if p.is_file())
+    assert kept == sorted(f"compare/{run.name}/{f}" for run in runs for f in (
+        "config.yaml", "status.json", "metrics.jsonl", f"samples/step_{750 if run == runs[0] else 500:08d}.png"))
+    assert (archive / "compare" / runs[0].name / "samples" / "step_00000750.png").read_bytes() == b"newer"
+    study_report.main([str(compare), "--out", str(tmp_path / "from_runs")])
+    study_report.main([str(archive / "compare"), "--out", str(tmp_path / "from_archive")])
+    from_runs = (tmp_path / "from_runs" / "study.md").read_text().replace(str(compare), str(archive / "compare"))
+    assert from_runs == (tmp_path / "from_archive" / "study.md").read_text()  # but the source it names
 
 
 def test_ratio_part_borrows_compares_runs_up_to_its_own_last_step(tmp_path):
