@@ -15,11 +15,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STEPS=${STEPS:-600}               # step budget of every run (docs/results.md: about 45 min on 2 CPU cores)
+STEPS=${STEPS:-600}               # step budget of every run
 EVAL_EVERY=${EVAL_EVERY:-150}     # in-training FID every this many steps
 EVAL_SAMPLES=${EVAL_SAMPLES:-256} # samples per FID evaluation
 RESULTS=${RESULTS:-results/repro}
-REPORT=${REPORT:-docs/results}
+REPORT=${REPORT:-$RESULTS/report}
 PYTHON=${PYTHON:-python}
 
 budget=("results_dir=$RESULTS" "train.max_steps=$STEPS" "train.eval.eval_interval=$EVAL_EVERY"

@@ -1,6 +1,6 @@
 """Summarise training runs and sweeps: a table (report.md, report.csv) and FID plots (PNG + SVG).
 
-    python -m tools.report results/placement results/compare --out docs/results
+    python -m tools.report results/placement results/compare --out results/report
 
 Every directory below the given paths that holds a config.yaml or a status.json is a run (train.py
 writes both). Runs that failed, are still running, stopped early or have unreadable files are listed
