@@ -144,7 +144,8 @@ if wanted archive; then
       mkdir -p "$dest"
       rm -rf "$dest/samples"
       for f in config.yaml status.json metrics.jsonl; do [[ -f "$run/$f" ]] && cp "$run/$f" "$dest/"; done
-      grid=$(find "$run/samples" -maxdepth 1 -name 'step_*.png' 2>/dev/null | LC_ALL=C sort | tail -n 1)
+      [[ -d "$run/samples" ]] || continue  # the cost runs do not evaluate
+      grid=$(find "$run/samples" -maxdepth 1 -name 'step_*.png' | LC_ALL=C sort | tail -n 1)
       if [[ -n "$grid" ]]; then mkdir -p "$dest/samples" && cp "$grid" "$dest/samples/"; fi
     done < <(find "$RESULTS/$part" -name status.json -not -path '*.replaced-*' -print0)
   done
