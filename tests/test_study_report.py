@@ -186,6 +186,13 @@ def test_placement_chart_and_unfinished_runs_are_listed(tmp_path):
     assert (out / "study_placement_routes.png").stat().st_size > 0
     md = (out / "study.md").read_text()
     assert "| placement/still_going | running | 250 | 1 |" in md and "| placement/failed | failed |" in md
+    table = md.split("### placement: each route at its final evaluation, best FID first")[1].split("\n\n")
+    assert table[1] == f"Baseline, no routing: DiT-D/4 on digits: FID {study_report.cell(base[('DiT-D/4', 'digits')][0])} (3 run(s))."
+    rows = [line.split(" | ") for line in table[2].splitlines()[2:]]
+    finals = [float(r[2]) for r in rows[:-1]]
+    assert len(rows) == 11 and finals == sorted(finals)  # 9 routes + the running one, sorted; then the failed one
+    assert rows[-1][0] == "| tread 1->6 @ 0.5" and rows[-1][2] == "-"
+    assert rows[0][0].startswith("| tread") and rows[0][-1] == "500 |"
 
 
 @pytest.mark.parametrize("case", ["missing", "empty"])

@@ -246,6 +246,17 @@ def placement_baseline(placement_runs, runs):
     return {k: (statistics.mean(v), len(v)) for k, v in out.items() if None not in v}
 
 
+def placement_table(part, groups, baseline):
+    """Each route's final evaluation, best FID first, under a line giving the no-routing baseline at that step."""
+    rows = sorted(([n, len(g), *(pm(*final_values(g, m)) for m, _ in METRICS),
+                    cell(max((max(r["evals"]) for r in g if r["evals"]), default=None)), final_values(g, "fid")[0]]
+                   for n, g in groups.items() if g[0]["route_list"]), key=lambda row: (row[-1] is None, row[-1] or 0))
+    base = "; ".join(f"{backbone} on {dataset}: FID {cell(fid)} ({n} run(s))"
+                     for (backbone, dataset), (fid, n) in baseline.items()) or "no no-routing run at that step"
+    return [f"### {part}: each route at its final evaluation, best FID first", "", f"Baseline, no routing: {base}.", "",
+            md_table(["route", "runs", *(f"final {name}" for _, name in METRICS), "step"], [r[:-1] for r in rows]), ""]
+
+
 ALONE = "cost"  # the part whose runs only time steps, one run at a time (scripts/toy_study.sh's cost stage)
 BORROWING = ("ratio", "platform")  # parts that compare their runs with compare's dit and tread
 
@@ -297,8 +308,10 @@ def write_study(parts, runs, out, sources, replaced=()):
         same_time += equal_time_rows(part, groups)
         same_cost += equal_cost_rows(part, groups, rates)
         if part == "placement" or (len(groups) > 1 and all(len(g) == 1 for g in groups.values())):
-            plot_routes(members, out, placement_baseline(members, runs), stem=f"study_{part}_routes")
+            baseline = placement_baseline(members, runs)
+            plot_routes(members, out, baseline, stem=f"study_{part}_routes")
             lines += [f"![route placement](study_{part}_routes.png) (baseline: no-routing runs at the same step)", ""]
+            lines += placement_table(part, groups, baseline)
         if len({r["ratio"] for r in members if r["route_list"]}) > 1:
             ratio_table += [[part, n, len(g), pm(*final_values(g, "fid")), pm(*final_values(g, "class_acc")),
                              cell(max((max(r["evals"]) for r in g if r["evals"]), default=None))] for n, g in groups.items()]
