@@ -106,6 +106,7 @@ def test_shipped_configs_pass(overrides):
     (["train.eval.sampler.name=rk4"], "unknown sampler"),
     (["dataset=imagenet256", "dataset.train_path=/"], "ref_batch"),
     (["init_from=/does/not/exist"], "init_from"),
+    (["init_from_weights=model"], "init_from_weights=model is not allowed: it must be one of model_and_ema, ema"),
     (["+dataset.posterior_sampling=false"], "dataset.kind=shards only"),
 ])
 def test_more_rules_in_process(overrides, needle):

@@ -22,9 +22,10 @@ def fine_tune(tmp_path, name, *more):
 def test_init_from_loads_weights_and_refuses_other_shapes(tmp_path):
     """One fine-tune step from the source: the EMA is exactly lerp(source EMA, new weights, 1 - decay), every
     weight moved by at most one first AdamW step (|update| <= lr) from the source's *model* weights, and the
-    optimizer starts fresh (step 1) or continues the source's (step 6 + 1, second moments carried over)."""
+    optimizer starts fresh (step 1) or continues the source's (step 6 + 1, second moments carried over);
+    init_from_weights=ema starts the model within one step of the source's *EMA*."""
     run_script("train.py", f"results_dir={tmp_path}", "run_name=src", *tiny_overrides("tread"), "train.max_steps=6",
-               "train.ckpt_every=6", check=True)
+               "train.ckpt_every=6", "train.optimizer.warmup_steps=0", check=True)  # full steps: model and EMA apart
     source = newest(tmp_path / "src")
     proc, tuned = fine_tune(tmp_path, "ft")
     assert "initialised from" in proc.stdout and "fresh optimizer" in proc.stdout
@@ -45,6 +46,15 @@ def test_init_from_loads_weights_and_refuses_other_shapes(tmp_path):
         assert after["step"].item() == 7 and before["step"].item() == 6
         # v' = beta2 v + (1 - beta2) g^2 >= beta2 v: a fresh v (g^2 alone) falls below beta2 v where g is small
         assert (after["exp_avg_sq"] >= beta2 * before["exp_avg_sq"] * (1 - 1e-6)).all(), key
+
+    # SPRINT's fine-tune: the source's EMA as the new model and the new EMA (it differs from the source's model
+    # by more than one step could move a weight, so the two starts are told apart)
+    assert max((source["model"][n] - v).abs().max().item() for n, v in source["ema"].items()) > 2 * LR
+    proc, from_ema = fine_tune(tmp_path, "ft_ema", "init_from_weights=ema")
+    assert "its EMA as the model" in proc.stdout
+    for name, value in source["ema"].items():
+        assert torch.equal(from_ema["ema"][name], torch.lerp(value, from_ema["model"][name], 1 - DECAY)), name
+        assert (from_ema["model"][name] - value).abs().max().item() <= LR * (1 + 1e-5), name
 
     wider = [o for o in TINY_MODEL if "hidden_size" not in o] + ["+model.params.hidden_size=64"]
     bad = run_script("train.py", f"results_dir={tmp_path}", "run_name=bad", "model=dit", *wider, *TINY_TRAIN,

@@ -126,6 +126,8 @@ def in_unit(v):  # [0, 1)
 # (key, test, allowed, fix): single-key ranges of the training config
 RANGES = [
     ("global_seed", at_least(0), ">= 0", ""),
+    ("init_from_weights", lambda v: v in S.INIT_FROM_WEIGHTS, f"one of {', '.join(S.INIT_FROM_WEIGHTS)}",
+     "e.g. init_from_weights=model_and_ema"),
     ("lock_stale_minutes", lambda v: v > 0, "> 0 minutes", "e.g. lock_stale_minutes=60"),
     ("train.max_steps", at_least(1), "at least 1", "e.g. train.max_steps=400000"),
     ("train.ckpt_every", at_least(1), "at least 1 step", "e.g. train.ckpt_every=50000"),

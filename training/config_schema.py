@@ -32,6 +32,7 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 SHARDS_ONLY = ("train_path", "scale_factor", "random_flip", "posterior_sampling", "quantize", "vae")  # dataset keys
 QUANTIZE = ("truncate", "round")                     # data.vae.QUANTIZE
 MODEL_INITS = ("official", "adaln_zero")
+INIT_FROM_WEIGHTS = ("model_and_ema", "ema")  # training.loop.init_weights
 REPA_ENCODERS = ("dinov2_vitb14", "digits_classifier")  # training.repa_teachers.TEACHERS
 
 
@@ -230,6 +231,8 @@ class ConfigSchema:
     global_seed: int = key("weights, data order and per-rank noise")
     init_from: Optional[str] = key("new run from another run's weights (checkpoint file or run dir)")
     init_from_optimizer: bool = key("with init_from: also take its optimizer state")
+    init_from_weights: str = key("with init_from: model_and_ema (its model and EMA) or ema (its EMA as both, "
+                                 "as SPRINT's _ft configs)")
     resume: bool = key("continue the newest checkpoint of run_name; false moves the old run aside")
     lock_stale_minutes: float = key("a run lock from another host not refreshed for this long is stale, > 0")
     model: ModelSchema = key("the model group", factory=ModelSchema)

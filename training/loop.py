@@ -46,17 +46,19 @@ def update_ema(ema_params, model_params, decay: float):
 def init_weights(cfg, model, ema, optimizer, is_main, projector=None):
     """Start a new run from another run's model and EMA weights, e.g. the paper's "(F)" fine-tuning of a
     TREAD run without routing: `model=dit init_from=results/tread-digits`. Fresh optimizer unless
-    init_from_optimizer=true."""
+    init_from_optimizer=true. init_from_weights=ema starts the model from the source's EMA too, as SPRINT's
+    full-token fine-tune does (it loads the EMA checkpoint and copies it into a new EMA)."""
     source = ckpt.resolve_checkpoint(cfg.init_from)
     state = ckpt.load_checkpoint(source)
-    ckpt.load_model_state(model, state["model"], source)
+    from_ema = cfg.init_from_weights == "ema"
+    ckpt.load_model_state(model, state["ema" if from_ema else "model"], source)
     ckpt.load_model_state(ema, state["ema"], source)
     load_projector(projector, state, source, is_main)
     if cfg.init_from_optimizer:
         optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], optimizer, len(list(model.parameters())),
                                                       "repa" in state))
     if is_main:
-        print(f"initialised from {source} (step {state['step']}), "
+        print(f"initialised from {source} (step {state['step']}{', its EMA as the model' if from_ema else ''}), "
               f"{'with its optimizer state' if cfg.init_from_optimizer else 'fresh optimizer'}")
 
 
