@@ -145,6 +145,9 @@ def test_report_with_fid_records_baseline_and_broken_runs(grid, tmp_path):
     assert "moved aside by resume=false" in md and "By configuration" in md
     svg = (out / "route_placement.svg").read_text()
     assert "22.00 (-10.00)" in svg and "25.00 (-7.00)" in svg  # against the dit run's final FID 32
+    assert "no routing, DiT-D/4 (mean of 1)" in svg and ">32.00<" in svg  # the baseline has a row of its own
+    report.main([str(root), "--out", str(tmp_path / "again")])
+    assert (tmp_path / "again" / "route_placement.svg").read_text() == svg  # SVGs are reproducible: clean diffs
     for stem in PLOTS:
         assert (out / f"{stem}.png").exists() and (out / f"{stem}.svg").exists()
     assert "without FID records not shown" in (out / "fid_vs_step.svg").read_text()

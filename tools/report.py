@@ -252,6 +252,7 @@ def new_figure(width, height):
 
     matplotlib.use("Agg")
     matplotlib.rcParams["svg.fonttype"] = "none"  # SVG text stays text (searchable, editable)
+    matplotlib.rcParams["svg.hashsalt"] = "tread"  # the same figure gives the same SVG: committed plots diff cleanly
     import matplotlib.pyplot as plt
 
     return plt, *plt.subplots(figsize=(width, height))
@@ -268,7 +269,7 @@ def labels(runs):
 def save(plt, fig, out, stem):
     fig.tight_layout()
     for ext in ("png", "svg"):
-        fig.savefig(out / f"{stem}.{ext}", dpi=120)
+        fig.savefig(out / f"{stem}.{ext}", dpi=120, metadata={"Date": None} if ext == "svg" else None)
     plt.close(fig)
 
 
@@ -298,7 +299,7 @@ def plot_routes(runs, out, base, stem="route_placement"):
 
     rows = sorted((r for r in runs if r["route_list"] and r["final_fid"] is not None),
                   key=lambda r: (r["route_list"], str(r["seed"]), r["run"]))
-    plt, fig, ax = new_figure(9, 1.6 + 0.32 * max(len(rows), 3))
+    plt, fig, ax = new_figure(9, 1.6 + 0.32 * max(len(rows) + len(base), 3))
     if not rows:
         ax.text(0.5, 0.5, "no routed run has FID records yet", ha="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -314,13 +315,22 @@ def plot_routes(runs, out, base, stem="route_placement"):
         ref = base.get((r["backbone"], r["dataset"]))
         diff = f" ({r['final_fid'] - ref[0]:+.2f})" if ref else ""
         ax.text(depth - 0.3, y, f"{r['final_fid']:.2f}{diff}", va="center", fontsize=8)
-    ax.set_yticks(range(len(rows)), [f"{label}, {r['backbone']}" if several_backbones else label
-                                     for r, label in zip(rows, labels(rows))], fontsize=8)
     ax.set_xticks(range(depth))
     ax.set_xlim(-0.7, depth + 2.2)
-    ax.invert_yaxis()
     ax.set_xlabel("block (a route skips tokens from its start block through its end block)")
-    fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="final FID")
+    ticks = [f"{label}, {r['backbone']}" if several_backbones else label for r, label in zip(rows, labels(rows))]
+    for y, ((backbone, _), (value, n)) in enumerate(base.items(), start=len(rows)):  # the baseline: no bar to draw
+        ax.text(depth / 2 - 0.5, y, "no block skipped", ha="center", va="center", fontsize=8, color="0.3")
+        ax.text(depth - 0.3, y, f"{value:.2f}", va="center", fontsize=8,
+                bbox=dict(facecolor=cmap(norm(value)), edgecolor="0.2", boxstyle="square,pad=0.2"))
+        ticks.append(f"no routing, {backbone} (mean of {n})")
+    if base:
+        ax.axhline(len(rows) - 0.5, color="0.5", linewidth=0.8)
+    ax.set_yticks(range(len(ticks)), ticks, fontsize=8)
+    ax.set_ylim(len(ticks) - 0.5, -0.5)  # first row on top
+    bar = fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="final FID")
+    for value, _ in base.values():  # and marked on the FID scale
+        bar.ax.axhline(value, color="black", linewidth=2)
     refs = ", ".join(f"{b}: {v:.2f} (mean of {n})" for (b, _), (v, n) in base.items())
     ax.set_title("Route placement: final FID" + (f" and difference to the no-routing baseline [{refs}]"
                                                  if refs else " (no no-routing baseline run with FID)"), fontsize=9)
