@@ -6,8 +6,10 @@
 #              (ratios 0 and 0.5 are compare's dit and tread runs, which the report reads up to RATIO_STEPS: a
 #              ratio-0 route is the dit computation, and the same seed and settings train the same run)
 #   platform   the successors against compare's dit and tread, seeds 0, 1, 2, STEPS    -> $RESULTS/platform/
-#              SPRINT (route 2 -> 9 at 0.75, fusion sprint: 2 dense blocks on each side, as theirs), tread + REPA
-#              (block 3, the digits classifier's map), tread with routing off for the last 20% of the steps
+#              PLATFORM picks the variants (default all): sprint (route 2 -> 9 at 0.75, fusion sprint: 2 dense
+#              blocks on each side, as theirs), repa (tread + REPA, block 3, the digits classifier's map),
+#              tread_off (tread with routing off for the last 20% of the steps), sprint_off (sprint with no token
+#              dropped for the last 20%, fusion and path drop kept: SPRINT's full-token fine-tune in the same run)
 #   cost       the step cost alone: dit, tread at 0.25 / 0.5 / 0.75, SPRINT and tread + REPA, one run at a time
 #              (whatever JOBS is; each on the threads a study run gets), COST_STEPS steps, no evaluation -> $RESULTS/cost/
 #   guidance   tools/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
@@ -41,6 +43,7 @@ STEPS=${STEPS:-3000}                      # compare's budget (issue 15: to 3,000
 PLACEMENT_STEPS=${PLACEMENT_STEPS:-2000}  # where compare separates best (class_acc Welch p 0.008 at 2,000; docs/results.md)
 RATIO_STEPS=${RATIO_STEPS:-2000}
 RATIOS=${RATIOS:-0.25,0.75}               # RATIOS=0,0.25,0.5,0.75 trains all four without compare
+PLATFORM=${PLATFORM:-sprint,repa,tread_off,sprint_off}
 COST_STEPS=${COST_STEPS:-400}
 GUIDANCE_SCALES=${GUIDANCE_SCALES:-1.5 2 3}
 EVAL_EVERY=${EVAL_EVERY:-250}             # FID + class_acc + nn_ratio every this many steps
@@ -60,6 +63,10 @@ fi
 for stage in ${STAGES//,/ }; do
   case "$stage" in compare|placement|ratio|platform|cost|guidance|archive|report) ;; *) echo "error: unknown stage" \
     "'$stage' in STAGES=$STAGES (compare, placement, ratio, platform, cost, guidance, archive, report)" >&2; exit 2;; esac
+done
+for variant in ${PLATFORM//,/ }; do
+  case "$variant" in sprint|repa|tread_off|sprint_off) ;; *) echo "error: unknown variant '$variant' in" \
+    "PLATFORM=$PLATFORM (sprint, repa, tread_off, sprint_off)" >&2; exit 2;; esac
 done
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 train() {  # train <steps> <run_name> <sweep overrides...> [extra overrides from the command line]
@@ -119,8 +126,16 @@ if wanted ratio; then
 fi
 sprint="$route.end_layer_idx=9 $route.fusion=sprint $route.selection_ratio=0.75"
 if wanted platform; then
-  sweep "$STEPS" platform "model=tread global_seed=0,1,2 $sprint" "model=tread global_seed=0,1,2 repa.enabled=true" \
-    "model=tread global_seed=0,1,2 train.routing_off_after=$(( STEPS * 4 / 5 ))"
+  off="train.routing_off_after=$(( STEPS * 4 / 5 ))" groups=()
+  for variant in ${PLATFORM//,/ }; do
+    case "$variant" in
+      sprint) groups+=("model=tread global_seed=0,1,2 $sprint");;
+      repa) groups+=("model=tread global_seed=0,1,2 repa.enabled=true");;
+      tread_off) groups+=("model=tread global_seed=0,1,2 $off");;
+      sprint_off) groups+=("model=tread global_seed=0,1,2 $sprint $off");;
+    esac
+  done
+  sweep "$STEPS" platform "${groups[@]}"
 fi
 if wanted cost; then  # runs sharing the cores slow each other unevenly: here each has the machine to itself
   for job in "model=dit" "model=tread $route.selection_ratio=0.25,0.5,0.75" "model=tread $sprint" \

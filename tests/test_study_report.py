@@ -234,26 +234,28 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep",
                                ARCHIVE=str(tmp_path / "archive"))
     assert proc.returncode == 0, proc.stderr
-    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 10 + [["-m", "tools.guidance_eval"],
+    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 11 + [["-m", "tools.guidance_eval"],
                                                                  ["-m", "tools.study_report"], ["-m", "tools.digits_reference_limit"]]
     assert calls[-2][2:] == [str(results / "compare"), "--out", "rep"]
     assert calls[-1][2:] == ["--num-samples", "512", "--out", "rep/reference_limit"]
-    jobs = study_jobs(calls[:6], results)
-    part = lambda name: sorted(v for k, v in jobs.items() if k.startswith(f"{results}/{name}/"))
-    assert part("compare") == sorted([("dit", s, None) for s in range(3)] + [("tread", s, (2, 8, 0.5)) for s in range(3)])
-    assert part("placement") == sorted(("tread", 0, (s, e, 0.5)) for s in (0, 2, 4) for e in (5, 8, 10))
-    assert part("ratio") == sorted(("tread", s, (2, 8, r)) for s in range(3) for r in (0.25, 0.75))
-    assert part("platform") == sorted([("tread", s, (2, 9, 0.75), ("sprint", False, None)) for s in range(3)] +
-                                      [("tread", s, (2, 8, 0.5), ("none", True, None)) for s in range(3)] +
-                                      [("tread", s, (2, 8, 0.5), ("none", False, 2400)) for s in range(3)])
-    assert len(jobs) == 6 + 9 + 6 + 9  # every run its own dir; ratios 0 and 0.5 are compare's runs
+    jobs = study_jobs(calls[:7], results)
+    by_repr = lambda values: sorted(values, key=repr)  # None and a step share a place: no natural order
+    part = lambda name: by_repr(v for k, v in jobs.items() if k.startswith(f"{results}/{name}/"))
+    assert part("compare") == by_repr([("dit", s, None) for s in range(3)] + [("tread", s, (2, 8, 0.5)) for s in range(3)])
+    assert part("placement") == by_repr(("tread", 0, (s, e, 0.5)) for s in (0, 2, 4) for e in (5, 8, 10))
+    assert part("ratio") == by_repr(("tread", s, (2, 8, r)) for s in range(3) for r in (0.25, 0.75))
+    assert part("platform") == by_repr([("tread", s, (2, 9, 0.75), ("sprint", False, None)) for s in range(3)] +
+                                       [("tread", s, (2, 8, 0.5), ("none", True, None)) for s in range(3)] +
+                                       [("tread", s, (2, 8, 0.5), ("none", False, 2400)) for s in range(3)] +
+                                       [("tread", s, (2, 9, 0.75), ("sprint", False, 2400)) for s in range(3)])
+    assert len(jobs) == 6 + 9 + 6 + 12  # every run its own dir; ratios 0 and 0.5 are compare's runs
     sprint_seed0 = next(k for k, v in jobs.items() if v[1:] == (0, (2, 9, 0.75), ("sprint", False, None)))
-    cost = study_jobs(calls[6:10], results)  # one train.py call at a time, so one run at a time
+    cost = study_jobs(calls[7:11], results)  # one train.py call at a time, so one run at a time
     assert sorted(cost.values()) == sorted([("dit", 0, None)] + [("tread", 0, (2, 8, r)) for r in (0.25, 0.5, 0.75)] +
                                            [("tread", 0, (2, 9, 0.75), ("sprint", False, None)),
                                             ("tread", 0, (2, 8, 0.5), ("none", True, None))])
     assert all(k.startswith(f"{results}/cost/") for k in cost)
-    guidance = calls[10][2:]
+    guidance = calls[11][2:]
     assert guidance[0] == sprint_seed0 and guidance[-2:] == ["--out", "rep/guidance"]
     assert guidance[1:9] == ["--cfg-scales", "1.5", "2", "3", "--pdg-scales", "1.5", "2", "3"]
     assert guidance[9:11] == ["--num-samples", "512"]
@@ -266,7 +268,7 @@ def test_parallel_workers_launch_the_same_runs_one_job_per_call(tmp_path):
     (tmp_path / "jobs2").mkdir()
     split, proc2 = script_calls("scripts/toy_study.sh", tmp_path / "jobs2", RESULTS=results, JOBS="2", STAGES=stages)
     assert proc.returncode == 0 and proc2.returncode == 0, proc2.stderr
-    assert len(split) == 30 and all(len(expand(c[2:])) == 1 for c in split)
+    assert len(split) == 33 and all(len(expand(c[2:])) == 1 for c in split)
     threads = max(1, (os.cpu_count() or 1) // 2)  # train.py would take every core in each of the two
     assert all(f"train.cpu_threads={threads}" in c for c in split)
     assert study_jobs(split, results) == study_jobs(calls, results)  # the same run dirs as the whole sweeps
@@ -282,6 +284,14 @@ def test_toy_study_runs_only_the_chosen_stages(tmp_path):
     (tmp_path / "bad").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "bad", STAGES="compare,ratoi")
     assert proc.returncode == 2 and "unknown stage 'ratoi'" in proc.stderr and not calls
+    (tmp_path / "one").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "one", STAGES="platform", PLATFORM="sprint_off",
+                               RESULTS="r")
+    assert proc.returncode == 0 and len(calls) == 1 and "run_name=platform" in calls[0]
+    assert {"model.params.routes.0.fusion=sprint", "train.routing_off_after=2400"} <= set(calls[0])
+    (tmp_path / "badvariant").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "badvariant", PLATFORM="sprint,rep")
+    assert proc.returncode == 2 and "unknown variant 'rep'" in proc.stderr and not calls
     (tmp_path / "none").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "none", STAGES="report", RESULTS=str(tmp_path / "x"))
     assert proc.returncode == 2 and proc.stderr.startswith("error: no study runs under") and not calls
