@@ -18,6 +18,7 @@
 #              (kilobytes a run, no checkpoints: commit it, and the report rebuilds from it with RESULTS=$ARCHIVE
 #              after the run folders are gone; rerun it as runs finish, it replaces what it copied before)
 #   report     tools/study_report.py over the training parts run so far                 -> $REPORT/
+#              (UNTIMED: folder-name patterns of runs to compare per step only, e.g. runs trained on another machine)
 #              and tools/digits_reference_limit.py: real digits scored as EVAL_SAMPLES samples are -> $REPORT/reference_limit/
 # Every run evaluates FID, class_acc and nn_ratio every EVAL_EVERY steps on EVAL_SAMPLES samples and
 # keeps a checkpoint at each evaluation, so an interrupted run loses at most EVAL_EVERY steps.
@@ -52,6 +53,7 @@ RESULTS=${RESULTS:-results/study}
 REPORT=${REPORT:-docs/results}
 ARCHIVE=${ARCHIVE:-docs/results/runs}
 PYTHON=${PYTHON:-python}
+UNTIMED=${UNTIMED:-}                      # space-separated patterns, each one --untimed of tools/study_report.py
 JOBS=${JOBS:-1}
 EXTRA=("$@")
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "error: JOBS=$JOBS is not a positive integer (e.g. JOBS=2)" >&2; exit 2; }
@@ -170,6 +172,9 @@ if wanted report; then
   roots=()  # the parts run so far (study.md names its sources); none at all is the report's error
   for part in compare placement ratio platform cost; do [[ -d "$RESULTS/$part" ]] && roots+=("$RESULTS/$part"); done
   (( ${#roots[@]} )) || { echo "error: no study runs under $RESULTS (run a training stage first)" >&2; exit 2; }
-  "$PYTHON" -m tools.study_report "${roots[@]}" --out "$REPORT"
+  untimed=() patterns=()
+  read -ra patterns <<< "$UNTIMED"  # split at spaces, never globbed here
+  for pattern in "${patterns[@]}"; do untimed+=(--untimed "$pattern"); done
+  "$PYTHON" -m tools.study_report "${roots[@]}" --out "$REPORT" "${untimed[@]}"
   "$PYTHON" -m tools.digits_reference_limit --num-samples "$EVAL_SAMPLES" --out "$REPORT/reference_limit"
 fi

@@ -289,6 +289,11 @@ def test_toy_study_runs_only_the_chosen_stages(tmp_path):
                                RESULTS="r")
     assert proc.returncode == 0 and len(calls) == 1 and "run_name=platform" in calls[0]
     assert {"model.params.routes.0.fusion=sprint", "train.routing_off_after=2400"} <= set(calls[0])
+    (tmp_path / "r" / "platform").mkdir(parents=True)
+    (tmp_path / "timed").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "timed", STAGES="report", RESULTS=str(tmp_path / "r"),
+                               UNTIMED="*routing_off_after* global_seed=0,*")
+    assert proc.returncode == 0 and calls[0][-4:] == ["--untimed", "*routing_off_after*", "--untimed", "global_seed=0,*"]
     (tmp_path / "badvariant").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "badvariant", PLATFORM="sprint,rep")
     assert proc.returncode == 2 and "unknown variant 'rep'" in proc.stderr and not calls
@@ -375,3 +380,24 @@ def test_equal_training_time_table_interpolates_at_the_fastest_configurations_en
     assert rows["dit"][5] == study_report.pm(np.mean(dit_500), np.std(dit_500, ddof=1))
     tread_750 = [fid_of("tread", s, 750) for s in range(3)]
     assert rows["tread 2->8 @ 0.5"][5] == study_report.pm(np.mean(tread_750), np.std(tread_750, ddof=1))
+
+
+def test_untimed_runs_are_compared_per_step_only(tmp_path):
+    """--untimed: the matching runs (here tread, clocked 10x faster elsewhere) keep their Welch rows but leave the
+    step cost, the equal-time table and the wall-clock plot, and study.md names them."""
+    root = tmp_path / "compare"
+    for seed in range(3):
+        write_run(root, f"global_seed={seed},model=dit", "dit", seed, speed=2.0)
+        write_run(root, f"global_seed={seed},model=tread", "tread", seed, speed=30.0)
+    plain, untimed = tmp_path / "plain", tmp_path / "untimed"
+    run_script("tools.study_report", root, "--out", plain, check=True)
+    run_script("tools.study_report", root, "--out", untimed, "--untimed", "*model=tread", check=True)
+    assert study_csv(untimed) == study_csv(plain)  # the per-step comparison is unchanged
+    md, before = (untimed / "study.md").read_text(), (plain / "study.md").read_text()
+    assert "| compare | tread 2->8 @ 0.5 | 3 | 30.00 | 15.00x |" in before
+    assert "## At equal training time" in before  # tread's row there, and its step cost, are gone:
+    assert "| compare | tread 2->8 @ 0.5 |" not in md and "| compare | dit | 3 | 2 | 1.00x |" in md
+    assert "Compared per step only" in md and "global_seed=2,model=tread" in md
+    time_svg = (untimed / "study_compare_vs_time.svg").read_text()
+    assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" not in time_svg and "dit (3 seed(s))" in time_svg
+    assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" in (untimed / "study_compare_vs_step.svg").read_text()

@@ -12,11 +12,15 @@ the band (sample std, ddof 1) and the t-test; one seed gives a line without band
 Evaluations where a run of the pair has nn_ratio < 0.8 (samples closer to training digits than
 held-out digits are) are marked "copying: comparison stopped", and so is every later evaluation.
 Runs that are unfinished, failed or without records are listed, never dropped.
+`--untimed PATTERN` (fnmatch on a run's folder name, repeatable) compares the matching runs per step only: they
+are left out of the wall-clock plots, the equal-time tables and the step cost, for runs whose clock is not
+comparable with the others' (trained later on another machine, say), and study.md names them.
 Given compare, the ratio and platform parts borrow its configurations they lack (dit, as ratio 0 too, and tread)
 up to their own last evaluation: a ratio-0 route is the dit computation and equal seeds and settings train equal
 runs, so scripts/toy_study.sh trains only the other ratios and the successors.
 """
 import csv
+import fnmatch
 import re
 import shutil
 import statistics
@@ -79,8 +83,10 @@ def band(members, metric):
     return out
 
 
-def plot_part(part, groups, out, x_index):
-    """FID, class_acc and nn_ratio against step (x_index 0) or wall-clock (1): one line + band per configuration."""
+def plot_part(part, groups, out, x_index, colours=None):
+    """FID, class_acc and nn_ratio against step (x_index 0) or wall-clock (1): one line + band per configuration,
+    coloured by `colours` ({name: colour}; default: in order), so a part's two plots colour alike."""
+    colours = colours or {name: f"C{i % 10}" for i, name in enumerate(groups)}
     plt, fig, _ = new_figure(15, 4.2)
     fig.clf()
     axes = fig.subplots(1, len(METRICS))
@@ -93,7 +99,7 @@ def plot_part(part, groups, out, x_index):
                 continue
             x = np.array([p[x_index] for p in points]) / scale
             mean = np.array([p[2] for p in points])
-            line, = ax.plot(x, mean, marker="o", ms=3, label=f"{name} ({len(members)} seed(s))")
+            line, = ax.plot(x, mean, marker="o", ms=3, color=colours[name], label=f"{name} ({len(members)} seed(s))")
             std = np.array([np.nan if p[3] is None else p[3] for p in points])
             if np.isfinite(std).any():
                 ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
@@ -278,23 +284,32 @@ def borrow_compare_runs(parts):
     return out
 
 
+def timed(members):
+    """The runs whose clock the wall-clock plots, equal-time tables and step cost may use (not --untimed)."""
+    return [r for r in members if not r.get("untimed")]
+
+
 def write_study(parts, runs, out, sources, replaced=()):
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# Toy study report", "", f"Sources: {', '.join(f'`{s}`' for s in sources)}; {len(runs)} run(s).", "",
              "Bands: mean ± sample std over seeds. Difference: routed - baseline. Welch p: "
              "scipy.stats.ttest_ind(equal_var=False); '-' with fewer than 2 seeds on a side or after copying "
              f"(any run of the pair with nn_ratio < {COPYING}).", ""]
+    untimed = sorted(r["run"] for r in runs if r.get("untimed"))
+    lines += [f"Compared per step only (--untimed; not in the wall-clock plots, equal-time tables or step cost): "
+              f"{', '.join(untimed)}.", ""] if untimed else []
     csv_rows, cost, cost_alone, ratio_table, same_time, same_cost = [], [], [], [], [], []
-    rates = {n: statistics.median(v) for n, g in configurations(parts.get(ALONE, [])).items()
+    rates = {n: statistics.median(v) for n, g in configurations(timed(parts.get(ALONE, []))).items()
              if (v := [r["steps_per_sec"] for r in g if r["steps_per_sec"]])}
     for part, members in parts.items():
-        groups = configurations(members)
+        groups, clocked = configurations(members), configurations(timed(members))
         if part == ALONE:  # timing runs, no evaluations
-            cost_alone += step_cost(part, groups)
+            cost_alone += step_cost(part, clocked)
             continue
         lines += [f"## {part}", ""]
         for x_index in (0, 1):
-            stem = plot_part(part, groups, out, x_index)
+            stem = plot_part(part, groups if x_index == 0 else clocked, out, x_index,
+                             {name: f"C{i % 10}" for i, name in enumerate(groups)})
             lines += [f"![{part} against {'step' if x_index == 0 else 'wall-clock'}]({stem}.png)", ""]
         base = next(((n, g) for n, g in groups.items() if g[0]["baseline"] and not g[0]["route_list"]), None) or \
             next(((n, g) for n, g in groups.items() if g[0]["baseline"]), None)
@@ -304,9 +319,9 @@ def write_study(parts, runs, out, sources, replaced=()):
         lines += welch_section(rows)
         grids = sample_grids(part, groups, out) if part != "placement" else []
         lines += [f"### {part}: samples", "", *grids] if grids else []
-        cost += step_cost(part, groups)
-        same_time += equal_time_rows(part, groups)
-        same_cost += equal_cost_rows(part, groups, rates)
+        cost += step_cost(part, clocked)
+        same_time += equal_time_rows(part, clocked)
+        same_cost += equal_cost_rows(part, clocked, rates)
         if part == "placement" or (len(groups) > 1 and all(len(g) == 1 for g in groups.values())):
             baseline = placement_baseline(members, runs)
             plot_routes(members, out, baseline, stem=f"study_{part}_routes")
@@ -348,8 +363,11 @@ def write_study(parts, runs, out, sources, replaced=()):
 
 
 def build_parser():
-    return report.build_parser(__doc__.split("\n")[0], "tools.study_report", "one folder of runs per part of the "
-                               "study (compare, placement, ratio)", "study.md, study.csv")
+    parser = report.build_parser(__doc__.split("\n")[0], "tools.study_report", "one folder of runs per part of the "
+                                 "study (compare, placement, ratio)", "study.md, study.csv")
+    parser.add_argument("--untimed", action="append", default=[], metavar="PATTERN",
+                        help="runs whose folder name matches (fnmatch) are compared per step only, their clock unused")
+    return parser
 
 
 def main(argv=None):
@@ -361,6 +379,7 @@ def main(argv=None):
         r["evals"] = evaluations(r)
         root = next(p for p in roots if r["dir"].resolve().is_relative_to(p))
         r["part"] = root.name
+        r["untimed"] = any(fnmatch.fnmatchcase(r["dir"].name, pattern) for pattern in args.untimed)
         parts.setdefault(root.name, []).append(r)
     try:
         write_study(borrow_compare_runs(parts), runs, Path(args.out), args.paths, replaced)
