@@ -14,6 +14,7 @@
 #              (whatever JOBS is; each on the threads a study run gets), COST_STEPS steps, no evaluation -> $RESULTS/cost/
 #   guidance   tools/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
 #              GUIDANCE_SCALES, equal network evaluations, EVAL_SAMPLES samples    -> $REPORT/guidance/
+#              (GUIDANCE_RUN=sprint_off: the platform's sprint_off seed-0 run -> $REPORT/guidance_sprint_off/)
 #   archive    each run's config.yaml, status.json, metrics.jsonl and newest sample grid -> $ARCHIVE/<part>/<run>/
 #              (kilobytes a run, no checkpoints: commit it, and the report rebuilds from it with RESULTS=$ARCHIVE
 #              after the run folders are gone; rerun it as runs finish, it replaces what it copied before)
@@ -45,6 +46,7 @@ PLACEMENT_STEPS=${PLACEMENT_STEPS:-2000}  # where compare separates best (class_
 RATIO_STEPS=${RATIO_STEPS:-2000}
 RATIOS=${RATIOS:-0.25,0.75}               # RATIOS=0,0.25,0.5,0.75 trains all four without compare
 PLATFORM=${PLATFORM:-sprint,repa,tread_off,sprint_off}
+GUIDANCE_RUN=${GUIDANCE_RUN:-sprint}      # the platform variant whose seed-0 checkpoint the guidance stage scores
 COST_STEPS=${COST_STEPS:-400}
 GUIDANCE_SCALES=${GUIDANCE_SCALES:-1.5 2 3}
 EVAL_EVERY=${EVAL_EVERY:-250}             # FID + class_acc + nn_ratio every this many steps
@@ -70,6 +72,8 @@ for variant in ${PLATFORM//,/ }; do
   case "$variant" in sprint|repa|tread_off|sprint_off) ;; *) echo "error: unknown variant '$variant' in" \
     "PLATFORM=$PLATFORM (sprint, repa, tread_off, sprint_off)" >&2; exit 2;; esac
 done
+case "$GUIDANCE_RUN" in sprint|sprint_off) ;; *) echo "error: GUIDANCE_RUN=$GUIDANCE_RUN is not a variant with" \
+  "path-drop guidance (sprint, sprint_off)" >&2; exit 2;; esac
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 train() {  # train <steps> <run_name> <sweep overrides...> [extra overrides from the command line]
   local steps=$1 name=$2
@@ -146,11 +150,16 @@ if wanted cost; then  # runs sharing the cores slow each other unevenly: here ea
     train "$COST_STEPS" cost global_seed=0 $job train.eval.eval_interval=0 "train.ckpt_every=$COST_STEPS" "${EXTRA[@]}"
   done
 fi
-if wanted guidance; then  # the SPRINT seed-0 run's directory: its overrides, sorted (Hydra's override_dirname)
-  run=$(printf '%s\n' global_seed=0 model=tread $sprint | LC_ALL=C sort | paste -sd, -)
+if wanted guidance; then  # the seed-0 run's directory: its overrides, sorted (Hydra's override_dirname)
+  # shellcheck disable=SC2206  # $sprint is split into its overrides on purpose
+  overrides=(global_seed=0 model=tread $sprint) out="$REPORT/guidance"
+  if [[ "$GUIDANCE_RUN" == sprint_off ]]; then
+    overrides+=("train.routing_off_after=$(( STEPS * 4 / 5 ))") out="$REPORT/guidance_sprint_off"
+  fi
+  run=$(printf '%s\n' "${overrides[@]}" | LC_ALL=C sort | paste -sd, -)
   # shellcheck disable=SC2086  # the scales are separate arguments
   "$PYTHON" -m tools.guidance_eval "$RESULTS/platform/$run" --cfg-scales $GUIDANCE_SCALES \
-    --pdg-scales $GUIDANCE_SCALES --num-samples "$EVAL_SAMPLES" --out "$REPORT/guidance"
+    --pdg-scales $GUIDANCE_SCALES --num-samples "$EVAL_SAMPLES" --out "$out"
 fi
 if wanted archive; then
   for part in compare placement ratio platform cost; do

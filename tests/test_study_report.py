@@ -294,6 +294,15 @@ def test_toy_study_runs_only_the_chosen_stages(tmp_path):
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "timed", STAGES="report", RESULTS=str(tmp_path / "r"),
                                UNTIMED="*routing_off_after* global_seed=0,*")
     assert proc.returncode == 0 and calls[0][-4:] == ["--untimed", "*routing_off_after*", "--untimed", "global_seed=0,*"]
+    (tmp_path / "pdg").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "pdg", STAGES="guidance", GUIDANCE_RUN="sprint_off",
+                               RESULTS="r", REPORT="rep")
+    assert proc.returncode == 0 and calls[0][:2] == ["-m", "tools.guidance_eval"]
+    assert calls[0][2] == ("r/platform/global_seed=0,model.params.routes.0.end_layer_idx=9,model.params.routes.0.fusion="
+                           "sprint,model.params.routes.0.selection_ratio=0.75,model=tread,train.routing_off_after=2400")
+    assert calls[0][-2:] == ["--out", "rep/guidance_sprint_off"]
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "pdg", STAGES="guidance", GUIDANCE_RUN="tread")
+    assert proc.returncode == 2 and "GUIDANCE_RUN=tread is not a variant" in proc.stderr
     (tmp_path / "badvariant").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "badvariant", PLATFORM="sprint,rep")
     assert proc.returncode == 2 and "unknown variant 'rep'" in proc.stderr and not calls
