@@ -35,8 +35,9 @@ from tread_utils.errors import UserError
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 CONFIGS = REPO / "configs"
-SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.M | re.S)
-FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+# fences may be indented (a code block inside a list item); a block closes at its own indentation
+SHELL_BLOCK = re.compile(r"^( *)```(?:bash|sh|shell)\n(.*?)^\1```", re.M | re.S)
+FENCE = re.compile(r"^( *)```.*?^\1```", re.M | re.S)
 INLINE = re.compile(r"`([^`]+)`")
 COMMAND_START = ("python ", "accelerate launch", "pip install", "scripts/", "bash scripts/")
 SEPARATORS = {";", "&&", "||", "|", "&"}
@@ -86,12 +87,12 @@ def shell_lines(block: str) -> list:
     return out
 
 
-def doc_commands(path: Path) -> list:
-    text, doc = path.read_text(), str(path.relative_to(REPO))
+def doc_commands(path: Path, text=None) -> list:
+    text, doc = text or path.read_text(), str(path.relative_to(REPO))
     found = []
     for block in SHELL_BLOCK.finditer(text):
-        first = text.count("\n", 0, block.start(1)) + 1
-        found += [Command(doc, first + i, line.strip(), False) for i, line in shell_lines(block.group(1))
+        first = text.count("\n", 0, block.start(2)) + 1
+        found += [Command(doc, first + i, line.strip(), False) for i, line in shell_lines(block.group(2))
                   if line.strip() and not line.strip().startswith("#")]
     prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # line numbers kept
     for span in INLINE.finditer(prose):
@@ -431,6 +432,19 @@ def test_docs_have_commands():
                    "python evaluations/evaluator.py", "python -m data.extract_latents", "python train.py -m"):
         assert any(t.startswith(needle) for t in texts), needle
     assert any(c.doc.startswith("docs/") for c in COMMANDS)
+    for doc in DOCS:  # every shell fence opens a block the extraction reads (none swallowed by a mispaired fence)
+        text = doc.read_text()
+        assert len(SHELL_BLOCK.findall(text)) == len(re.findall(r"^ *```(?:bash|sh|shell)$", text, re.M)), doc
+
+
+def test_blocks_inside_list_items_are_read_and_close_at_their_indentation():
+    """An indented fence (a list item's code block) is a block like any other; the prose after it is still read,
+    so no later command is lost to fences paired wrongly."""
+    text = ("- item:\n  ```bash\n  python train.py \\\n      model=dit\n  ```\n  and `python sample.py ckpt=a`\n\n"
+            "```bash\npython fid.py calc\n```\n`python -m tools.bench`\n")
+    found = [(c.line, " ".join(c.text.split()), c.inline) for c in doc_commands(REPO / "README.md", text)]
+    assert found == [(3, "python train.py model=dit", False), (9, "python fid.py calc", False),
+                     (6, "python sample.py ckpt=a", True), (11, "python -m tools.bench", True)]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.doc}:{c.line}")
