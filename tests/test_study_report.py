@@ -407,6 +407,8 @@ def test_untimed_runs_are_compared_per_step_only(tmp_path):
     assert "## At equal training time" in before  # tread's row there, and its step cost, are gone:
     assert "| compare | tread 2->8 @ 0.5 |" not in md and "| compare | dit | 3 | 2 | 1.00x |" in md
     assert "Compared per step only" in md and "global_seed=2,model=tread" in md
+    assert_one_line_error(run_script("tools.study_report", root, "--out", tmp_path / "typo", "--untimed", "*model=traed"),
+                          "--untimed *model=traed matches no run")
     time_svg = (untimed / "study_compare_vs_time.svg").read_text()
     assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" not in time_svg and "dit (3 seed(s))" in time_svg
     assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" in (untimed / "study_compare_vs_step.svg").read_text()

@@ -381,6 +381,10 @@ def main(argv=None):
         r["part"] = root.name
         r["untimed"] = any(fnmatch.fnmatchcase(r["dir"].name, pattern) for pattern in args.untimed)
         parts.setdefault(root.name, []).append(r)
+    unmatched = [p for p in args.untimed if not any(fnmatch.fnmatchcase(r["dir"].name, p) for r in runs)]
+    if unmatched:
+        exit_with(f"--untimed {' '.join(unmatched)} matches no run folder name (e.g. --untimed "
+                  f"'*routing_off_after=2400'; the names are Hydra's override_dirname)")
     try:
         write_study(borrow_compare_runs(parts), runs, Path(args.out), args.paths, replaced)
     except OSError as e:
