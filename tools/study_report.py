@@ -31,8 +31,8 @@ import numpy as np
 from scipy import stats
 
 from tools import report
-from tools.report import (cell, elapsed_seconds, load_runs, md_table, new_figure, num, plot_routes, read_metrics,
-                          save)
+from tools.report import cell, elapsed_seconds, load_runs, md_table, num, read_metrics
+from tools.report_plots import new_figure, plot_routes, save
 from tread_utils.errors import exit_with
 
 METRICS = [("fid", "FID"), ("class_acc", "class_acc"), ("nn_ratio", "nn_ratio")]
