@@ -1,5 +1,6 @@
-"""Training data and the latent format: the embedded digits, latent shards (reader and writer: `shards`,
-`extract_latents`), the SD-VAE (`vae`), latents -> images (`decoders`, `images`) and a resumable sampler.
+"""Training data and the latent format: the embedded digits, latent shards (reader `shards`, writer
+`shard_writer`, images -> shards `extract_latents`, MaskDiT's release -> shards `maskdit_latents`), the SD-VAE
+(`vae`), latents -> images (`decoders`, `images`) and a resumable sampler.
 
 Every dataset is map-style and addressed by a *global* index `epoch * N + i`, so any randomness a
 dataset draws for a read (a posterior sample, a flip) is a function of that index alone: a resumed

@@ -16,34 +16,30 @@ moments, float16 [2, 2C, h, w] = [original|flipped, mean channels + logvar chann
 with key = the image's 8-digit index in the sorted item list. Item i belongs to shard i // shard_size and
 shard k is written only by rank k % world_size, to `<name>.tar.partial`, renamed when complete, after its
 done-marker `.progress/<name>.json` (count, bytes, skipped files). A re-run skips complete shards, so an
-interrupted run is resumed by running the same command again. Rank 0 writes manifest.json at the end.
+interrupted run is resumed by running the same command again. Rank 0 writes manifest.json at the end
+(the writing: data/shard_writer.py; convert-maskdit: data/maskdit_latents.py).
 Unreadable images are skipped and listed in the manifest and the summary. `--images` also stores each crop,
 for a teacher computed online from the clean image (REPA on latents: README, REPA); the trainer flips it
 with its latent.
 """
 import argparse
 import hashlib
-import io
-import json
 import os
 import sys
-import tarfile
-import tempfile
 
 import numpy as np
 import torch
 from PIL import Image
 
-from data.vae import DEFAULT_VAE, SD_VAE_SCALE, encode_moments, load_sd_vae, vae_downsample_factor
+from data.maskdit_latents import convert_maskdit
+from data.shard_writer import (ShardWriter, check_writable, default_shard_size, prepare_output, print_summary,
+                               shard_complete, write_manifest)
+from data.vae import DEFAULT_VAE, encode_moments, load_sd_vae, vae_downsample_factor
 from tread_utils.distributed import start_processes
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.files import ArgumentParser, positive_int
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm", ".pbm")
-SHARD_PREFIX = "latents"
-PROGRESS_DIR = ".progress"
-FORMAT = "tread-latents-v1"
-TARGET_SHARD_BYTES = 10**9
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -112,152 +108,6 @@ class _Images(torch.utils.data.Dataset):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Shards, markers, plan, manifest
-
-def shard_name(k):
-    return f"{SHARD_PREFIX}-{k:06d}.tar"
-
-
-def _marker_path(out, k):
-    return os.path.join(out, PROGRESS_DIR, shard_name(k)[:-4] + ".json")
-
-
-def _write_json(path, obj):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def shard_complete(out, k):
-    """A shard is complete when its marker exists and its .tar has the size the marker recorded."""
-    marker = _read_json(_marker_path(out, k))
-    tar = os.path.join(out, shard_name(k))
-    return marker is not None and os.path.isfile(tar) and os.path.getsize(tar) == marker.get("bytes")
-
-
-class ShardWriter:
-    """Writes one tar shard to `<name>.partial`; finish() writes the done-marker, then renames the tar."""
-
-    def __init__(self, out, k):
-        self.out, self.k, self.count, self.skipped, self.class_counts = out, k, 0, [], {}
-        self.path = os.path.join(out, shard_name(k))
-        self._file = open(self.path + ".partial", "wb")
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
-
-    def _member(self, name, data):
-        info = tarfile.TarInfo(name)
-        info.size, info.mode, info.mtime = len(data), 0o444, 0
-        self._tar.addfile(info, io.BytesIO(data))
-
-    def add(self, key, latent, label, image=None):
-        """image: the crop, uint8 [R, R, 3], stored as `<key>.png` (None: none stored)."""
-        buf = io.BytesIO()
-        np.save(buf, latent, allow_pickle=False)
-        self._member(f"{key}.latent.npy", buf.getvalue())
-        self._member(f"{key}.cls", str(int(label)).encode("ascii"))
-        if image is not None:
-            png = io.BytesIO()
-            Image.fromarray(np.asarray(image)).save(png, format="PNG")
-            self._member(f"{key}.png", png.getvalue())
-        self.count += 1
-        self.class_counts[str(int(label))] = self.class_counts.get(str(int(label)), 0) + 1
-
-    def skip(self, path, error):
-        self.skipped.append({"path": path, "error": error})
-
-    def finish(self):
-        self._tar.close()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        size = os.path.getsize(self.path + ".partial")
-        _write_json(_marker_path(self.out, self.k), {"name": shard_name(self.k), "count": self.count, "bytes": size,
-                                                     "class_counts": self.class_counts, "skipped": self.skipped})
-        os.replace(self.path + ".partial", self.path)
-
-
-def check_writable(out):
-    try:
-        os.makedirs(os.path.join(out, PROGRESS_DIR), exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as e:
-        raise UserError(f"output folder {out} cannot be written ({e.strerror or e}); choose another output "
-                        f"folder or fix its permissions") from None
-
-
-def prepare_output(out, plan):
-    """Create OUT, check it is writable and that it holds no different extraction; record the plan."""
-    check_writable(out)
-    progress = os.path.join(out, PROGRESS_DIR)
-    old = _read_json(os.path.join(progress, "plan.json"))
-    if old is not None and old != plan:
-        diff = ", ".join(f"{k}: {old.get(k)!r} -> {plan.get(k)!r}" for k in {**old, **plan} if old.get(k) != plan.get(k))
-        raise UserError(f"output folder {out} holds an extraction with other settings ({diff}); "
-                        f"use a new output folder or the same settings to resume")
-    if old is None:
-        _write_json(os.path.join(progress, "plan.json"), plan)
-
-
-def write_manifest(out, plan=None):
-    """Gather the done-markers of all shards into manifest.json (rank 0, after every rank finished)."""
-    plan = plan or _read_json(os.path.join(out, PROGRESS_DIR, "plan.json"))
-    if plan is None:
-        raise UserError(f"{out} holds no extraction plan (.progress/plan.json); run the extraction first")
-    missing = [shard_name(k) for k in range(plan["num_shards"]) if not shard_complete(out, k)]
-    if missing:
-        raise UserError(f"{len(missing)} shard(s) of {out} are not complete (first: {missing[0]}); "
-                        f"run the same command again to finish them")
-    shards, skipped, class_counts = [], [], [0] * plan["num_classes"]
-    for k in range(plan["num_shards"]):
-        marker = _read_json(_marker_path(out, k))
-        shards.append({key: marker[key] for key in ("name", "count", "bytes")})
-        skipped += marker["skipped"]
-        for label, n in marker["class_counts"].items():
-            class_counts[int(label)] += n
-    for name in os.listdir(out):  # leftovers of interrupted runs; no rank is writing any more
-        if name.endswith(".partial"):
-            os.remove(os.path.join(out, name))
-    manifest = {"format": FORMAT, "num_samples": sum(s["count"] for s in shards),
-                "num_classes": plan["num_classes"], "class_counts": class_counts, "classes": plan["classes"],
-                "vae": plan["vae"], "scale_factor": SD_VAE_SCALE, "scaled": False,
-                "resolution": plan["resolution"], "latent_shape": plan["latent_shape"], "latent_dtype": "float16",
-                "layout": plan["layout"], "source": plan["source"], "shard_size": plan["shard_size"],
-                "shards": shards, "skipped": skipped, **({"images": plan["images"]} if plan.get("images") else {})}
-    _write_json(os.path.join(out, "manifest.json"), manifest)
-    return manifest
-
-
-def _summary(out, manifest):
-    skipped = manifest["skipped"]
-    print(f"wrote {manifest['num_samples']} samples of {manifest['num_classes']} classes in "
-          f"{len(manifest['shards'])} shards to {out} (manifest.json); {len(skipped)} file(s) skipped", flush=True)
-    for s in skipped[:20]:
-        print(f"  skipped {s['path']}: {s['error']}", flush=True)
-    if len(skipped) > 20:
-        print(f"  ... {len(skipped) - 20} more in manifest.json", flush=True)
-
-
-def _default_shard_size(sample_shape, image_bytes=0):
-    """image_bytes: an upper bound of a stored crop (its raw size; PNG stores less), 0 without images."""
-    npy = 128 + 2 * int(np.prod(sample_shape))
-    per_sample = 512 + -(-npy // 512) * 512 + 1024  # tar headers + padded .npy + padded .cls
-    per_sample += 512 + image_bytes if image_bytes else 0
-    return max(1, TARGET_SHARD_BYTES // per_sample)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Extraction
 
 def make_plan(source, *, resolution, vae_id, latent_channels, factor, shard_size=None, max_images=None,
@@ -274,7 +124,7 @@ def make_plan(source, *, resolution, vae_id, latent_channels, factor, shard_size
         items = [items[i] for i in keep]
     h = resolution // factor
     shape = [2, 2 * latent_channels, h, h]
-    shard_size = shard_size or _default_shard_size(shape, resolution * resolution * 3 if images else 0)
+    shard_size = shard_size or default_shard_size(shape, resolution * resolution * 3 if images else 0)
     if shard_size <= 0:
         raise UserError(f"--shard-size must be positive, got {shard_size}")
     digest = hashlib.sha1("".join(f"{os.path.relpath(p, root)}\t{y}\n" for p, y in items).encode()).hexdigest()
@@ -339,107 +189,6 @@ def run_extraction(source, out, *, vae, vae_id, resolution=256, shard_size=None,
 
 
 # ----------------------------------------------------------------------------------------------------
-# MaskDiT's released latents
-
-MASKDIT_VAE = "MaskDiT release: SD kl-f8 encoder (the encoder of stabilityai/sd-vae-ft-ema is the same)"
-
-
-def _maskdit_samples(src, pairs):
-    """Yield (label, float array) from MaskDiT's LMDB (keys z-<i> float32 moments, y-<i>, length; the
-    x-flips stored as entries length/2 .. length-1) or a folder of .npz / .npy arrays [N, 8, h, w] (or
-    [N, 2, 8, h, w]) with labels [N]: in an .npz under `labels`/`y`/`label`, for X.npy in X.labels.npy."""
-    lmdb_dir = next((d for d in (src, os.path.join(src, "train")) if os.path.isfile(os.path.join(d, "data.mdb"))), None)
-    if lmdb_dir is not None:
-        try:
-            import lmdb
-        except ImportError:
-            raise UserError("reading MaskDiT's LMDB needs the lmdb package: `pip install lmdb`") from None
-        with lmdb.open(lmdb_dir, readonly=True, lock=False, readahead=False, subdir=True) as env, env.begin() as txn:
-            def get(key):
-                value = txn.get(key.encode())
-                if value is None:
-                    raise UserError(f"{lmdb_dir} lacks the entry {key!r}; is it MaskDiT's latent LMDB?")
-                return value
-
-            length = int(get("length").decode())
-            n = length // 2 if pairs else length
-            if pairs and length % 2:
-                raise UserError(f"{lmdb_dir} holds an odd number ({length}) of entries, so no x-flip halves; "
-                                f"pass --no-flip-pairs")
-            for i in range(n):
-                z = np.frombuffer(get(f"z-{i}"), dtype=np.float32)
-                y = int(get(f"y-{i}").decode())
-                if pairs:
-                    zf = np.frombuffer(get(f"z-{i + n}"), dtype=np.float32)
-                    if int(get(f"y-{i + n}").decode()) != y:
-                        raise UserError(f"{lmdb_dir}: entries {i} and {i + n} have different labels, so the second "
-                                        f"half is not the x-flips; pass --no-flip-pairs")
-                    z = np.stack([z, zf])
-                side = int(round((z.shape[-1] / 8) ** 0.5))
-                yield y, z.reshape(*z.shape[:-1], 8, side, side)
-        return
-    files = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(src) for f in fs
-                   if f.endswith(".npz") or (f.endswith(".npy") and not f.endswith(".labels.npy")))
-    if not files:
-        raise UserError(f"{src} holds neither MaskDiT's LMDB (data.mdb; unzip imagenet_256_latent_lmdb.zip "
-                        f"first) nor .npz/.npy latent arrays")
-    for path in files:
-        try:
-            if path.endswith(".npz"):
-                with np.load(path, allow_pickle=False) as z:
-                    lab_key = next((k for k in ("labels", "label", "y") if k in z.files), None)
-                    lat_key = next((k for k in z.files if k != lab_key), None)
-                    if lab_key is None or lat_key is None:
-                        raise UserError(f"{path} needs a latent array and a `labels` (or `y`) array")
-                    latents, labels = z[lat_key], z[lab_key]
-            else:
-                lab_path = path[:-4] + ".labels.npy"
-                if not os.path.isfile(lab_path):
-                    raise UserError(f"{path} has no labels file {lab_path}")
-                latents, labels = np.load(path, mmap_mode="r"), np.load(lab_path)
-        except (OSError, ValueError, EOFError) as e:
-            raise UserError(f"{path}: unreadable array file ({e})") from None
-        if latents.ndim not in (4, 5) or latents.shape[-3] != 8 or labels.shape != (latents.shape[0],):
-            raise UserError(f"{path}: want latents [N, 8, h, w] or [N, 2, 8, h, w] and labels [N], got "
-                            f"{list(latents.shape)} and {list(labels.shape)}")
-        for z, y in zip(latents, labels):
-            yield int(y), np.asarray(z)
-
-
-def convert_maskdit(src, out, *, pairs=True, shard_size=None, max_images=None):
-    src, out = os.path.abspath(src), os.path.abspath(out)
-    if not os.path.isdir(src):
-        raise UserError(f"{src} is not a folder; unzip MaskDiT's imagenet_256_latent_lmdb.zip and pass its train/ "
-                        f"folder, or a folder of .npz/.npy arrays")
-    writer, count, first = None, 0, None
-    max_label = -1
-    for y, z in _maskdit_samples(src, pairs):
-        if first is None:
-            first = list(z.shape)
-            shard_size = shard_size or _default_shard_size(first)
-            prepare_output(out, {"source": src, "converted_from": "maskdit", "shard_size": shard_size,
-                                 "pairs": pairs, "max_images": max_images})
-        elif list(z.shape) != first:
-            raise UserError(f"{src}: sample {count} has shape {list(z.shape)}, the first had {first}")
-        if writer is None or writer.k != count // shard_size:
-            if writer is not None:
-                writer.finish()
-            writer = ShardWriter(out, count // shard_size)
-        writer.add(f"{count:08d}", z.astype(np.float16), y)
-        max_label, count = max(max_label, y), count + 1
-        if max_images and count >= max_images:
-            break
-    if writer is None:
-        raise UserError(f"{src} holds no latents")
-    writer.finish()
-    plan = {"source": src, "converted_from": "maskdit", "shard_size": shard_size, "num_shards": writer.k + 1,
-            "num_items": count, "num_classes": max_label + 1, "classes": None, "vae": MASKDIT_VAE,
-            "resolution": first[-1] * 8, "latent_shape": first,
-            "layout": ("[original, flipped] x " if len(first) == 4 else "") + "[mean channels, logvar channels] x h x w"}
-    return write_manifest(out, plan)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Command line
 
 CONVERT = "convert-maskdit"
@@ -496,11 +245,11 @@ def _extract_main(args):
                    images=args.images)
     state.wait_for_everyone()
     if state.is_main_process:
-        _summary(out, write_manifest(out))
+        print_summary(out, write_manifest(out))
 
 
 def _convert_main(args):
-    _summary(args.out, convert_maskdit(args.source, args.out, pairs=not args.no_flip_pairs,
+    print_summary(args.out, convert_maskdit(args.source, args.out, pairs=not args.no_flip_pairs,
                                        shard_size=args.shard_size, max_images=args.max_images))
 
 

@@ -14,6 +14,7 @@ from PIL import Image
 
 from conftest import save_tiny_vae
 from data import extract_latents as xl
+from data import shard_writer as sw
 from data.shards import LatentShardDataset
 from data.vae import SD_VAE_SCALE, decode_latents, encode_moments, load_sd_vae, vae_downsample_factor
 from tools.make_random_sdvae import SD_VAE_CONFIG, write_images
@@ -135,15 +136,15 @@ def test_ranks_write_only_their_shards(tiny_vae, images, tmp_path):
     xl.run_extraction(images, out, rank=1, world_size=2, **kw)
     assert sorted(os.listdir(out)) == [".progress", "latents-000001.tar", "latents-000003.tar"]
     with pytest.raises(UserError) as e:  # rank 0 has not finished: no manifest
-        xl.write_manifest(out)
+        sw.write_manifest(out)
     assert "not complete" in str(e.value)
     xl.run_extraction(images, out, rank=0, world_size=2, **kw)
-    assert xl.write_manifest(out)["num_samples"] == 14 and len(read_shards(out)) == 14
+    assert sw.write_manifest(out)["num_samples"] == 14 and len(read_shards(out)) == 14
 
 
 def test_interrupted_run_resumes_without_duplicates(single_run, tiny_vae, images, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "out")
-    finish, calls = xl.ShardWriter.finish, []
+    finish, calls = sw.ShardWriter.finish, []
 
     def crash_on_second_shard(self):
         calls.append(self.k)
@@ -151,10 +152,10 @@ def test_interrupted_run_resumes_without_duplicates(single_run, tiny_vae, images
             raise KeyboardInterrupt  # killed while the second shard is still being written
         finish(self)
 
-    monkeypatch.setattr(xl.ShardWriter, "finish", crash_on_second_shard)
+    monkeypatch.setattr(sw.ShardWriter, "finish", crash_on_second_shard)
     with pytest.raises(KeyboardInterrupt):
         xl.main([images, out, "--vae", tiny_vae, *FLAGS])
-    monkeypatch.setattr(xl.ShardWriter, "finish", finish)
+    monkeypatch.setattr(sw.ShardWriter, "finish", finish)
     assert os.path.isfile(os.path.join(out, "latents-000000.tar"))
     assert os.path.isfile(os.path.join(out, "latents-000001.tar.partial"))  # half-written, not a .tar
     assert not os.path.exists(os.path.join(out, "latents-000001.tar"))
@@ -317,7 +318,7 @@ def test_images_are_stored_beside_latents_and_flipped_with_them(single_run, tiny
     xl.main([images, out, "--vae", tiny_vae, "--images", *FLAGS])
     manifest = json.loads(open(os.path.join(out, "manifest.json")).read())
     assert manifest["images"] == "png" and "images" not in json.loads(open(os.path.join(single_run, "manifest.json")).read())
-    with tarfile.open(os.path.join(out, xl.shard_name(0))) as tf:
+    with tarfile.open(os.path.join(out, sw.shard_name(0))) as tf:
         png = tf.extractfile("00000000.png").read()
     with Image.open(os.path.join(images, "n01", "grey.png")) as im:
         crop = xl.center_crop_arr(im.convert("RGB"), RES)

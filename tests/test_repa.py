@@ -298,7 +298,7 @@ def test_on_latent_shards_the_teacher_sees_the_stored_images_flipped_with_their_
     from accelerate import Accelerator
 
     from data import build_dataset
-    from data.extract_latents import ShardWriter
+    from data.shard_writer import ShardWriter
     from training.loop import accumulate_gradients
 
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from data.batch_sampler import ResumableBatchSampler
-from data.extract_latents import ShardWriter, check_writable
+from data.shard_writer import ShardWriter, check_writable
 from data.shards import LatentShardDataset
 from tread_utils.files import non_negative_int, positive_int
 
