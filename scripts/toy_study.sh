@@ -15,7 +15,8 @@
 #   guidance   tools/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
 #              GUIDANCE_SCALES, equal network evaluations, EVAL_SAMPLES samples    -> $REPORT/guidance/
 #              (GUIDANCE_RUN=sprint_off: the platform's sprint_off seed-0 run -> $REPORT/guidance_sprint_off/)
-#   archive    each run's config.yaml, status.json, metrics.jsonl and newest sample grid -> $ARCHIVE/<part>/<run>/
+#   archive    each run's config.yaml (results_dir relative to the checkout), status.json, metrics.jsonl and
+#              newest sample grid -> $ARCHIVE/<part>/<run>/
 #              (kilobytes a run, no checkpoints: commit it, and the report rebuilds from it with RESULTS=$ARCHIVE
 #              after the run folders are gone; rerun it as runs finish, it replaces what it copied before)
 #   report     tools/study_report.py over the training parts run so far                 -> $REPORT/
@@ -169,7 +170,13 @@ if wanted archive; then
       dest="$ARCHIVE/$part/${run#"$RESULTS/$part/"}"
       mkdir -p "$dest"
       rm -rf "$dest/samples"
-      for f in config.yaml status.json metrics.jsonl; do [[ -f "$run/$f" ]] && cp "$run/$f" "$dest/"; done
+      for f in status.json metrics.jsonl; do [[ -f "$run/$f" ]] && cp "$run/$f" "$dest/"; done
+      if [[ -f "$run/config.yaml" ]]; then  # a results_dir inside this checkout is kept relative to it
+        while IFS= read -r line || [[ -n "$line" ]]; do
+          [[ "$line" == "results_dir: $PWD/"* ]] && line="results_dir: ${line#"results_dir: $PWD/"}"
+          printf '%s\n' "$line"
+        done < "$run/config.yaml" > "$dest/config.yaml"
+      fi
       [[ -d "$run/samples" ]] || continue  # the cost runs do not evaluate
       grid=$(find "$run/samples" -maxdepth 1 -name 'step_*.png' | LC_ALL=C sort | tail -n 1)
       if [[ -n "$grid" ]]; then mkdir -p "$dest/samples" && cp "$grid" "$dest/samples/"; fi

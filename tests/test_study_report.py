@@ -11,7 +11,7 @@ import pytest
 import yaml
 from scipy import stats
 
-from conftest import assert_one_line_error, compose_cfg, expand, run_script, script_calls
+from conftest import REPO, assert_one_line_error, compose_cfg, expand, run_script, script_calls
 from tools import study_report
 from tools.report import load_runs
 
@@ -324,6 +324,8 @@ def test_archive_keeps_what_the_report_reads_and_the_report_rebuilds_from_it(tmp
         (run / "checkpoints").mkdir()
         (run / "checkpoints" / "latest.pt").write_bytes(b"weights")
     (compare.parent / "placement").mkdir()  # a part with no run yet
+    config = runs[0] / "config.yaml"  # launched with an absolute RESULTS inside the checkout
+    config.write_text(f"results_dir: {REPO}/results/study\n" + config.read_text())
     env = dict(RESULTS=str(results), ARCHIVE=str(archive), STAGES="archive")
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path, **env)
     assert proc.returncode == 0 and not calls, proc.stderr
@@ -335,6 +337,9 @@ def test_archive_keeps_what_the_report_reads_and_the_report_rebuilds_from_it(tmp
         "config.yaml", "status.json", "metrics.jsonl") + ((f"samples/step_{750 if run == runs[1] else 500:08d}.png",)
                                                            if run != runs[0] else ()))
     assert (archive / "compare" / runs[1].name / "samples" / "step_00000750.png").read_bytes() == b"newer"
+    archived = (archive / "compare" / runs[0].name / "config.yaml").read_text()
+    assert archived == config.read_text().replace(f"{REPO}/", "", 1) and archived.startswith("results_dir: results/")
+    assert (archive / "compare" / runs[1].name / "config.yaml").read_text() == (runs[1] / "config.yaml").read_text()
     study_report.main([str(compare), "--out", str(tmp_path / "from_runs")])
     study_report.main([str(archive / "compare"), "--out", str(tmp_path / "from_archive")])
     from_runs = (tmp_path / "from_runs" / "study.md").read_text().replace(str(compare), str(archive / "compare"))
