@@ -69,12 +69,16 @@ for stage in ${STAGES//,/ }; do
   case "$stage" in compare|placement|ratio|platform|cost|guidance|archive|report) ;; *) echo "error: unknown stage" \
     "'$stage' in STAGES=$STAGES (compare, placement, ratio, platform, cost, guidance, archive, report)" >&2; exit 2;; esac
 done
+route=model.params.routes.0
+sprint="$route.end_layer_idx=9 $route.fusion=sprint $route.selection_ratio=0.75"
+off="train.routing_off_after=$(( STEPS * 4 / 5 ))"
+declare -A VARIANT=([sprint]="$sprint" [repa]="repa.enabled=true" [tread_off]="$off" [sprint_off]="$sprint $off")
 for variant in ${PLATFORM//,/ }; do
-  case "$variant" in sprint|repa|tread_off|sprint_off) ;; *) echo "error: unknown variant '$variant' in" \
-    "PLATFORM=$PLATFORM (sprint, repa, tread_off, sprint_off)" >&2; exit 2;; esac
+  [[ -n "${VARIANT[$variant]+set}" ]] || { echo "error: unknown variant '$variant' in PLATFORM=$PLATFORM" \
+    "(sprint, repa, tread_off, sprint_off)" >&2; exit 2; }
 done
-case "$GUIDANCE_RUN" in sprint|sprint_off) ;; *) echo "error: GUIDANCE_RUN=$GUIDANCE_RUN is not a variant with" \
-  "path-drop guidance (sprint, sprint_off)" >&2; exit 2;; esac
+[[ "${VARIANT[$GUIDANCE_RUN]:-}" == *fusion=sprint* ]] || { echo "error: GUIDANCE_RUN=$GUIDANCE_RUN is not a" \
+  "variant with path-drop guidance (sprint, sprint_off)" >&2; exit 2; }
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 train() {  # train <steps> <run_name> <sweep overrides...> [extra overrides from the command line]
   local steps=$1 name=$2
@@ -119,8 +123,6 @@ sweep() {  # sweep <steps> <run_name> <group>...: each group a string of overrid
   for w in "${pids[@]}"; do wait "$w" || rc=1; done
   return "$rc"
 }
-route=model.params.routes.0
-
 if wanted compare; then
   sweep "$STEPS" compare "model=dit,tread global_seed=0,1,2"
 fi
@@ -131,17 +133,9 @@ fi
 if wanted ratio; then
   sweep "$RATIO_STEPS" ratio "model=tread global_seed=0,1,2 $route.selection_ratio=$RATIOS"
 fi
-sprint="$route.end_layer_idx=9 $route.fusion=sprint $route.selection_ratio=0.75"
 if wanted platform; then
-  off="train.routing_off_after=$(( STEPS * 4 / 5 ))" groups=()
-  for variant in ${PLATFORM//,/ }; do
-    case "$variant" in
-      sprint) groups+=("model=tread global_seed=0,1,2 $sprint");;
-      repa) groups+=("model=tread global_seed=0,1,2 repa.enabled=true");;
-      tread_off) groups+=("model=tread global_seed=0,1,2 $off");;
-      sprint_off) groups+=("model=tread global_seed=0,1,2 $sprint $off");;
-    esac
-  done
+  groups=()
+  for variant in ${PLATFORM//,/ }; do groups+=("model=tread global_seed=0,1,2 ${VARIANT[$variant]}"); done
   sweep "$STEPS" platform "${groups[@]}"
 fi
 if wanted cost; then  # runs sharing the cores slow each other unevenly: here each has the machine to itself
@@ -152,12 +146,10 @@ if wanted cost; then  # runs sharing the cores slow each other unevenly: here ea
   done
 fi
 if wanted guidance; then  # the seed-0 run's directory: its overrides, sorted (Hydra's override_dirname)
-  # shellcheck disable=SC2206  # $sprint is split into its overrides on purpose
-  overrides=(global_seed=0 model=tread $sprint) out="$REPORT/guidance"
-  if [[ "$GUIDANCE_RUN" == sprint_off ]]; then
-    overrides+=("train.routing_off_after=$(( STEPS * 4 / 5 ))") out="$REPORT/guidance_sprint_off"
-  fi
-  run=$(printf '%s\n' "${overrides[@]}" | LC_ALL=C sort | paste -sd, -)
+  out="$REPORT/guidance"
+  [[ "$GUIDANCE_RUN" == sprint ]] || out+="_$GUIDANCE_RUN"
+  # shellcheck disable=SC2086  # the variant is split into its overrides on purpose
+  run=$(printf '%s\n' global_seed=0 model=tread ${VARIANT[$GUIDANCE_RUN]} | LC_ALL=C sort | paste -sd, -)
   # shellcheck disable=SC2086  # the scales are separate arguments
   "$PYTHON" -m tools.guidance_eval "$RESULTS/platform/$run" --cfg-scales $GUIDANCE_SCALES \
     --pdg-scales $GUIDANCE_SCALES --num-samples "$EVAL_SAMPLES" --out "$out"
