@@ -83,10 +83,9 @@ def band(members, metric):
     return out
 
 
-def plot_part(part, groups, out, x_index, colours=None):
+def plot_part(part, groups, out, x_index, colours):
     """FID, class_acc and nn_ratio against step (x_index 0) or wall-clock (1): one line + band per configuration,
-    coloured by `colours` ({name: colour}; default: in order), so a part's two plots colour alike."""
-    colours = colours or {name: f"C{i % 10}" for i, name in enumerate(groups)}
+    coloured by `colours` ({name: colour}, the same for a part's two plots)."""
     plt, fig, _ = new_figure(15, 4.2)
     fig.clf()
     axes = fig.subplots(1, len(METRICS))
@@ -286,7 +285,7 @@ def borrow_compare_runs(parts):
 
 def timed(members):
     """The runs whose clock the wall-clock plots, equal-time tables and step cost may use (not --untimed)."""
-    return [r for r in members if not r.get("untimed")]
+    return [r for r in members if not r["untimed"]]
 
 
 def write_study(parts, runs, out, sources, replaced=()):
@@ -295,7 +294,7 @@ def write_study(parts, runs, out, sources, replaced=()):
              "Bands: mean ± sample std over seeds. Difference: routed - baseline. Welch p: "
              "scipy.stats.ttest_ind(equal_var=False); '-' with fewer than 2 seeds on a side or after copying "
              f"(any run of the pair with nn_ratio < {COPYING}).", ""]
-    untimed = sorted(r["run"] for r in runs if r.get("untimed"))
+    untimed = sorted(r["run"] for r in runs if r["untimed"])
     lines += [f"Compared per step only (--untimed; not in the wall-clock plots, equal-time tables or step cost): "
               f"{', '.join(untimed)}.", ""] if untimed else []
     csv_rows, cost, cost_alone, ratio_table, same_time, same_cost = [], [], [], [], [], []
@@ -303,13 +302,13 @@ def write_study(parts, runs, out, sources, replaced=()):
              if (v := [r["steps_per_sec"] for r in g if r["steps_per_sec"]])}
     for part, members in parts.items():
         groups, clocked = configurations(members), configurations(timed(members))
+        colours = {name: f"C{i % 10}" for i, name in enumerate(groups)}
         if part == ALONE:  # timing runs, no evaluations
             cost_alone += step_cost(part, clocked)
             continue
         lines += [f"## {part}", ""]
         for x_index in (0, 1):
-            stem = plot_part(part, groups if x_index == 0 else clocked, out, x_index,
-                             {name: f"C{i % 10}" for i, name in enumerate(groups)})
+            stem = plot_part(part, groups if x_index == 0 else clocked, out, x_index, colours)
             lines += [f"![{part} against {'step' if x_index == 0 else 'wall-clock'}]({stem}.png)", ""]
         base = next(((n, g) for n, g in groups.items() if g[0]["baseline"] and not g[0]["route_list"]), None) or \
             next(((n, g) for n, g in groups.items() if g[0]["baseline"]), None)
@@ -374,14 +373,18 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     runs, replaced = load_runs(args.paths)
     roots = [Path(p).resolve() for p in args.paths]
-    parts = {}
+    parts, unmatched = {}, []
     for r in runs:
         r["evals"] = evaluations(r)
         root = next(p for p in roots if r["dir"].resolve().is_relative_to(p))
         r["part"] = root.name
-        r["untimed"] = any(fnmatch.fnmatchcase(r["dir"].name, pattern) for pattern in args.untimed)
+        r["untimed"] = False
         parts.setdefault(root.name, []).append(r)
-    unmatched = [p for p in args.untimed if not any(fnmatch.fnmatchcase(r["dir"].name, p) for r in runs)]
+    for pattern in args.untimed:
+        for r in (matched := [r for r in runs if fnmatch.fnmatchcase(r["dir"].name, pattern)]):
+            r["untimed"] = True
+        if not matched:
+            unmatched.append(pattern)
     if unmatched:
         exit_with(f"--untimed {' '.join(unmatched)} matches no run folder name (e.g. --untimed "
                   f"'*routing_off_after=2400'; the names are Hydra's override_dirname)")
