@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The toy study on the embedded digits (the preset's DiT-D/4: 12 blocks, 16 tokens; issues 15 and 20), in stages:
+# The toy study on the embedded digits (the preset's DiT-D/4: 12 blocks, 16 tokens), in stages:
 #   compare    dit against tread (route 2 -> 8 at 0.5), seeds 0, 1, 2, STEPS steps   -> $RESULTS/compare/
 #   placement  tread routes start {0,2,4} x end {5,8,10} at 0.5, seed 0, PLACEMENT_STEPS -> $RESULTS/placement/
 #   ratio      tread 2 -> 8 at RATIOS (0.25, 0.75), seeds 0, 1, 2, RATIO_STEPS        -> $RESULTS/ratio/
@@ -42,7 +42,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STAGES=${STAGES:-compare,placement,ratio,platform,cost,guidance,archive,report}
-STEPS=${STEPS:-3000}                      # compare's budget (issue 15: to 3,000 steps)
+STEPS=${STEPS:-3000}                      # compare's budget: 3,000 steps
 PLACEMENT_STEPS=${PLACEMENT_STEPS:-2000}  # where compare separates best (class_acc Welch p 0.008 at 2,000; docs/results.md)
 RATIO_STEPS=${RATIO_STEPS:-2000}
 RATIOS=${RATIOS:-0.25,0.75}               # RATIOS=0,0.25,0.5,0.75 trains all four without compare

@@ -1,4 +1,4 @@
-"""Every command in README.md and docs/ runs as written (issue 14), checked as deeply as can be without
+"""Every command in README.md and docs/ runs as written, checked as deeply as can be without
 running it: Hydra overrides compose with configs/ and pass the entry point's validation (every job of a
 sweep checked at its corners), argparse CLIs parse their arguments, and modules, scripts, pip extras,
 pytest markers and environment variables exist. Shell commands come from ```bash blocks and from inline

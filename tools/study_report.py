@@ -1,4 +1,4 @@
-"""Issue 15's study report: mean ± std curves per configuration, a per-step Welch test of each routed
+"""The toy study's report: mean ± std curves per configuration, a per-step Welch test of each routed
 configuration against the no-routing one, the step cost measured in the same runs, the route placement
 chart and the selection-ratio table. A part named `cost` (toy_study.sh's cost stage: one run at a time, no
 evaluation) gives only a step-cost table, measured with the machine to itself, and a second equal-time table
