@@ -41,7 +41,7 @@ FENCE = re.compile(r"^( *)```.*?^\1```", re.M | re.S)
 INLINE = re.compile(r"`([^`]+)`")
 COMMAND_START = ("python ", "accelerate launch", "pip install", "scripts/", "bash scripts/")
 SEPARATORS = {";", "&&", "||", "|", "&"}
-EXTERNAL = {"git"}  # commands of other tools, named in the docs for context: not checked
+EXTERNAL = {"git", "wget"}  # commands of other tools, named in the docs for context: not checked
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 LEADING_ASSIGNMENTS = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*=\S*\s+)+")
 SHELL_VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
