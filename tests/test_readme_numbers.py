@@ -1,0 +1,271 @@
+"""Every number the README quotes equals the file or config it is quoted from, rounded as printed: the demo
+table against the default runs' logs (docs/perf/default_*_digits_metrics.jsonl), the toy study's table against
+its report (docs/results/study.md), the GPU table against docs/perf/h100_b2.json, and the settings in the
+prose against the composed configs. A measurement-like number in the README's prose (a decimal, a thousands
+separator, a K, % or x suffix) that no check here claims fails the test: quote it with its source and add
+its check, or remove it."""
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+PERF = REPO / "docs" / "perf"
+STUDY = (REPO / "docs" / "results" / "study.md").read_text()
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:[eE]-?\d+)?(?:K\b|%|x\b)?")
+
+
+def close(text: str, value: float) -> bool:
+    """`text` is `value` as printed: rounded to the decimals shown (a thousands comma, a K, % or x suffix
+    allowed; a % is read as a fraction of 100)."""
+    s = text.strip().replace(",", "")
+    scale = 1.0
+    if s.endswith("%"):
+        s, scale = s[:-1], 0.01
+    elif s.endswith("K"):
+        s, scale = s[:-1], 1000.0
+    s = s.removesuffix("x")
+    decimals = len(s.partition(".")[2]) if "e" not in s.lower() else 12
+    return abs(float(s) * scale - value) <= 0.5 * 10 ** -decimals * scale + 1e-12 * max(1.0, abs(value))
+
+
+def cells(line: str) -> list:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table(text: str, header_start: str) -> list:
+    """The rows (header -> cell) of the markdown table whose header line starts with `header_start`."""
+    lines = text.split("\n")
+    starts = [i for i, line in enumerate(lines) if line.startswith(header_start)]
+    assert len(starts) == 1, f"{len(starts)} tables start with {header_start!r}"
+    header, rows = cells(lines[starts[0]]), []
+    for line in lines[starts[0] + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, cells(line))))
+    assert rows, header_start
+    return rows
+
+
+def section(text: str, heading: str) -> str:
+    """The text under `heading` (a whole line), up to the next heading."""
+    start = text.index(f"\n{heading}\n") + len(heading) + 2
+    following = re.search(r"^#", text[start:], flags=re.M)
+    return text[start:start + following.start()] if following else text[start:]
+
+
+def compare_rows() -> list:
+    """The study's per-step comparison of tread with dit, three seeds each."""
+    return table(section(STUDY, "### compare: tread 2->8 @ 0.5 against dit"),
+                 "| step | FID dit (n=3) | FID tread 2->8 @ 0.5 (n=3) |")
+
+
+def mean_std(text: str) -> tuple:
+    mean, _, std = text.partition("±")
+    return mean.strip(), std.split("(")[0].strip()
+
+
+def assert_close(text: str, value: float, what: str):
+    assert close(text, value), f"README says {text} for {what}; the file gives {value}"
+
+
+# ------------------------------------------------------------------------------------------------------
+# The demo table: the default runs' logs
+
+
+def run_log(model: str) -> tuple:
+    records = [json.loads(line) for line in (PERF / f"default_{model}_digits_metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    evals = {r["step"]: r for r in records if "fid" in r}
+    return train, evals
+
+
+DEMO_HEADER = "| command | loss (first -> last log) |"
+
+
+@pytest.mark.parametrize("model", ["tread", "dit"])
+def test_demo_table_is_the_default_runs_logs(model):
+    row = next(r for r in table(README, DEMO_HEADER) if r["command"] == f"`accelerate launch train.py model={model}`")
+    train, evals = run_log(model)
+    first, last = (s.strip() for s in row["loss (first -> last log)"].split("->"))
+    assert_close(first, train[0]["loss"], f"{model}'s first logged loss")
+    assert_close(last, train[-1]["loss"], f"{model}'s last logged loss")
+    header = list(row)
+    steps = [int(s.replace(",", "")) for s in re.findall(r"[\d,]+", header[2])]
+    assert steps == [int(s.replace(",", "")) for s in re.findall(r"[\d,]+", header[3])] and len(steps) == 2
+    for metric, column in (("fid", header[2]), ("class_acc", header[3])):
+        for text, step in zip(row[column].split("/"), steps):
+            assert_close(text, evals[step][metric], f"{model}'s {metric} at step {step}")
+    nn_step = int(re.search(r"[\d,]+", header[4]).group().replace(",", ""))
+    assert_close(row[header[4]], evals[nn_step]["nn_ratio"], f"{model}'s nn_ratio at {nn_step}")
+    assert_close(row["steps/s (median)"], statistics.median(r["steps_per_sec"] for r in train),
+                 f"{model}'s median steps/s")
+    assert max(evals) == steps[-1], "the table's last evaluation is the run's last"
+
+
+def test_demo_steps_are_the_digits_preset():
+    """The table's evaluation steps are what `accelerate launch train.py model=tread` runs today: a preset
+    changed without rerunning the demo fails here."""
+    header = list(table(README, DEMO_HEADER)[0])
+    steps = [int(s.replace(",", "")) for s in re.findall(r"[\d,]+", header[2])]
+    cfg = composed("model=tread")
+    assert steps == list(range(cfg.train.eval.eval_interval, cfg.train.max_steps + 1, cfg.train.eval.eval_interval))
+    assert "evaluates it twice" in README and len(steps) == 2
+    for model in ("tread", "dit"):
+        train, _ = run_log(model)
+        assert train[-1]["step"] == cfg.train.max_steps
+        assert train[0]["lr"] == pytest.approx(cfg.train.optimizer.lr)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The toy study's table: its report
+
+
+def test_toy_study_table_is_the_report():
+    rows = {r["configuration"]: r for r in table(README, "| configuration | FID at 3,000 steps |")}
+    header = list(next(iter(rows.values())))
+    last_step = int(re.search(r"[\d,]+", header[1]).group().replace(",", ""))
+    per_step = {int(r["step"]): r for r in compare_rows()}
+    assert last_step == max(per_step)
+    alone = section(STUDY, "## Step cost with the machine to itself (one run at a time, no evaluation; median steps/s)")
+    cost = {r["configuration"]: r for r in table(alone, "| part | configuration | runs | steps/s |")}
+    equal = {r["configuration"]: r for r in table(STUDY, "| part | configuration | steps/s alone | minutes |")
+             if r["part"] == "compare"}
+    minutes = re.search(r"\(([\d.]+) min\)", header[3]).group(1)
+    for readme_name, name, column in (("`dit`", "dit", "FID dit (n=3)"),
+                                      ("`tread` 2 -> 8 at 0.5", "tread 2->8 @ 0.5", "FID tread 2->8 @ 0.5 (n=3)")):
+        row = rows[readme_name]
+        for text, source in zip(mean_std(row[header[1]]), mean_std(per_step[last_step][column])):
+            assert_close(text, float(source), f"{name}'s FID at {last_step}")
+        assert_close(row[header[2]], float(cost[name]["steps/s"]), f"{name}'s steps/s alone")
+        assert equal[name]["minutes"] == minutes
+        for text, source in zip(mean_std(row[header[3]]), mean_std(equal[name]["FID"])):
+            assert_close(text, float(source), f"{name}'s FID at equal time")
+        assert re.search(r"\(step (\d+)\)", row[header[3]]).group(1) == equal[name]["step"]
+
+
+def level_until() -> int:
+    """The last step up to which no per-step FID difference of the study has Welch p below 0.05."""
+    level = 0
+    for row in compare_rows():
+        if float(row["FID Welch p"]) < 0.05:
+            break
+        level = int(row["step"])
+    return level
+
+
+# ------------------------------------------------------------------------------------------------------
+# The GPU table: the benchmark's JSON
+
+
+def test_gpu_table_is_the_benchmark_json():
+    bench = json.loads((PERF / "h100_b2.json").read_text())
+    assert "H100" in bench["device"] and bench["dtype"] == "bf16"
+    runs = {(r["code"], r["mode"], r["model"]): r for r in bench["training"]}
+    rows = table(README, "| code | mode | `dit` step (ms) |")
+    assert len(rows) == len(runs) // 2
+    for row in rows:
+        code = {"ours": "ours", "authors'": "paper"}[row["code"]]
+        mode = row["mode"].split(" (")[0]
+        dit, tread = runs[(code, mode, "dit")], runs[(code, mode, "tread")]
+        assert dit["backbone"] == tread["backbone"] == "DiT-B/2" and dit["batch"] == tread["batch"] == 256
+        what = f"{code} {mode}"
+        assert_close(row["`dit` step (ms)"], dit["step_s"] * 1000, f"{what} dit step")
+        assert_close(row["`tread` step (ms)"], tread["step_s"] * 1000, f"{what} tread step")
+        assert_close(row["`dit` MFU"], dit["mfu"], f"{what} dit MFU")
+        assert_close(row["speed-up"], tread["speedup"], f"{what} speed-up")
+        assert_close(row["FLOP bound"], tread["flop_bound"], f"{what} FLOP bound")
+        assert_close(row["speed-up / bound"], tread["speedup_vs_bound"], f"{what} speed-up / bound")
+    assert "max\noutput difference 0)" in README or "max output difference 0)" in README
+    assert all(r["max_abs_output_difference"] == 0 for r in bench["training"] if r["code"] == "paper")
+    assert "**One H100, DiT-B/2, batch 256, bf16**" in README
+
+
+def test_not_yet_measured_is_still_unmeasured():
+    """The README names DiT-XL/2 and the GPU FID-5K / suite timings as not measured: their logs say so."""
+    logs = PERF / "h100_check"
+    assert "OutOfMemoryError" in (logs / "bench_xl2.txt").read_text()
+    for name in ("bench_fid.txt", "bench_suite.txt"):
+        assert (logs / name).read_text().rstrip().endswith("rc 124"), name  # killed by its time limit
+    assert not list(PERF.glob("h100_training*")) and not list(PERF.glob("h100_eval*"))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Numbers in the prose: settings from the configs, claims from the study
+
+
+def composed(*overrides):
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            return compose("config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def imagenet():
+    return composed("model=tread", "dataset=imagenet256")
+
+
+# prose number -> (what it is, the value its source gives now)
+PROSE = {
+    "0.5": ("the default route's selection ratio", lambda: composed("model=tread").model.params.routes[0].selection_ratio),
+    "0.1": ("chance over the digits' classes", lambda: 1 / composed().dataset.num_classes),
+    "3,000": ("the toy study's last compared step", lambda: max(int(r["step"]) for r in compare_rows())),
+    "2,500": ("the last step before any per-step FID difference has p < 0.05", level_until),
+    "1e-4": ("the ImageNet preset's learning rate", lambda: imagenet().train.optimizer.lr),
+    "0.9999": ("the ImageNet preset's EMA decay", lambda: imagenet().train.ema.decay),
+    "400K": ("the ImageNet preset's steps", lambda: imagenet().train.max_steps),
+    "50K": ("the ImageNet preset's evaluation interval; ADM's 50K samples", lambda: imagenet().train.eval.eval_interval),
+    "5K": ("the ImageNet preset's FID sample count", lambda: imagenet().train.eval.fid_num_samples),
+}
+
+
+def prose(text: str) -> str:
+    """The README without code, links' targets and tables (the tables are checked cell by cell above)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return "\n".join(line for line in text.split("\n") if not line.startswith("|"))
+
+
+def test_prose_numbers_are_each_checked():
+    measured_like = {n for n in NUMBER.findall(prose(README)) if re.search(r"[.,eEK%x]", n.rstrip(","))}
+    unchecked = measured_like - set(PROSE)
+    assert not unchecked, f"numbers in the README's prose with no check in this test: {sorted(unchecked)}"
+
+
+@pytest.mark.parametrize("number", sorted(PROSE))
+def test_prose_number_is_its_source(number):
+    what, source = PROSE[number]
+    assert number in NUMBER.findall(prose(README)), f"{number} ({what}) is no longer in the README: drop its check"
+    assert_close(number, float(source()), what)
+
+
+def test_settings_in_prose_are_the_presets():
+    """The integers the README states as settings: the ImageNet batch, the demo model's shape, the route."""
+    cfg = imagenet()
+    assert cfg.train.general.batch_size == 256 and "(global batch 256," in README
+    route = composed("model=tread").model.params.routes[0]
+    assert (route.start_layer_idx, route.end_layer_idx) == (2, 8)
+    assert "route 2 -> 8 at 0.5" in README and "the route 2 -> 8 at selection ratio 0.5" in README
+    import dit
+
+    digits = composed("model=tread")
+    assert digits.dataset.backbone_type == "DiT-D/4" and "DiT-D/4 (12 blocks, 64 wide, 16 tokens)" in README
+    shape = dit.DiT_models["DiT-D/4"]
+    tokens = (digits.dataset.input_size // shape["patch_size"]) ** 2
+    assert (shape["depth"], shape["hidden_size"], tokens) == (12, 64, 16)
+
+
+def test_close_reads_rounding_as_printed():
+    """The comparison itself: a value off by more than the printed precision fails."""
+    assert close("0.84", 0.8449) and not close("0.84", 0.846)
+    assert close("51.6%", 0.51581) and not close("51.6%", 0.5172)
+    assert close("1.156x", 1.15558) and close("3,000", 3000) and close("400K", 400000) and not close("400K", 800)
+    assert close("1e-4", 1e-4) and not close("1e-4", 2e-3)
