@@ -4,6 +4,7 @@ its report (docs/results/study.md), the GPU table against docs/perf/h100_b2.json
 prose against the composed configs. A measurement-like number in the README's prose (a decimal, a thousands
 separator, a K, % or x suffix) that no check here claims fails the test: quote it with its source and add
 its check, or remove it."""
+import functools
 import json
 import re
 import statistics
@@ -199,7 +200,9 @@ def test_not_yet_measured_is_still_unmeasured():
 # Numbers in the prose: settings from the configs, claims from the study
 
 
+@functools.lru_cache(maxsize=None)
 def composed(*overrides):
+    """The config these overrides compose (cached: read only)."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
@@ -227,7 +230,8 @@ PROSE = {
 
 
 def prose(text: str) -> str:
-    """The README without code, links' targets and tables (the tables are checked cell by cell above)."""
+    """The README without code, links' targets and tables (the results tables are checked cell by cell above,
+    the differences table's settings against the configs below)."""
     text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
     text = re.sub(r"`[^`]*`", "", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
@@ -261,6 +265,52 @@ def test_settings_in_prose_are_the_presets():
     shape = dit.DiT_models["DiT-D/4"]
     tokens = (digits.dataset.input_size // shape["patch_size"]) ** 2
     assert (shape["depth"], shape["hidden_size"], tokens) == (12, 64, 16)
+
+
+# the differences table: (row, words the row says, config key of the ImageNet preset, its value)
+DIFFERENCES = [
+    ("initialisation", "`model.params.init=adaln_zero`", "model.params.init", "official"),
+    ("model keys", "`cond_mode: adaln`", "model.params.cond_mode", "adaln"),
+    ("model keys", "`learn_sigma: false`", "model.params.learn_sigma", False),
+    ("latents", "`dataset.posterior_sampling=true`", "dataset.posterior_sampling", False),
+    ("latents", "`dataset.random_flip=true`", "dataset.random_flip", False),
+    ("global batch", "`train.general.grad_accum_steps`", "train.general.grad_accum_steps", 1),
+    ("class dropout", "same probability (0.1)", "train.general.class_drop_prob", 0.1),
+    ("TF32", "on (CUDA)", "train.tf32", True),
+    ("compilation", "off; `train.compile=true`", "train.compile", False),
+    ("optimizer", "lr 1e-4", "train.optimizer.lr", 1e-4),
+    ("optimizer", "betas (0.9, 0.999)", "train.optimizer.betas", [0.9, 0.999]),
+    ("optimizer", "eps 1e-8", "train.optimizer.eps", 1e-8),
+    ("optimizer", "wd 0", "train.optimizer.weight_decay", 0),
+    ("optimizer", "no warm-up", "train.optimizer.warmup_steps", 0),
+    ("optimizer", "(none in both)", "train.optimizer.grad_clip", None),
+    ("EMA", "| 0.9999 every step from step 0, identical on every rank |", "train.ema.decay", 0.9999),
+    ("in-training sampling", "EDM Heun 40 steps", "train.eval.sampler.num_steps", 40),
+    ("in-training sampling", "seeds 100000-", "train.eval.seed", 100000),
+    ("in-training sampling", "`cfg_scales: [null]`", "train.eval.cfg_scales", [None]),
+    ("in-training sampling", "`train.eval.fp32=true`", "train.eval.fp32", False),
+    ("quantisation to uint8", "truncated | the same |", "dataset.quantize", "truncate"),
+    ("seed", "`global_seed: 0`", "global_seed", 0),
+    ("REPA", "| none (off) |", "repa.enabled", False),
+]
+
+
+@pytest.mark.parametrize("row, words, key, value", DIFFERENCES, ids=[f"{d[0]}:{d[2]}" for d in DIFFERENCES])
+def test_differences_table_states_the_defaults(row, words, key, value):
+    """What the differences table says we train by default is what the ImageNet preset composes."""
+    from omegaconf import OmegaConf
+
+    line = next(line for line in README.split("\n") if line.startswith(f"| {row} |"))
+    assert words in line, f"the differences table's row {row!r} no longer says {words!r}"
+    got = OmegaConf.select(imagenet(), key)
+    got = OmegaConf.to_object(got) if OmegaConf.is_config(got) else got
+    assert got == value, f"{key} is {got!r}; the README's row {row!r} says {words!r}"
+
+
+def test_differences_table_latent_scale_is_sd_vaes():
+    from data.vae import SD_VAE_SCALE
+
+    assert "already x 0.18215" in README and SD_VAE_SCALE == 0.18215
 
 
 def test_close_reads_rounding_as_printed():
