@@ -1,7 +1,8 @@
 """Every number the README quotes equals the file or config it is quoted from, rounded as printed: the demo
 table against the default runs' logs (docs/perf/default_*_digits_metrics.jsonl), the toy study's table against
 its report (docs/results/study.md), the GPU table against docs/perf/h100_b2.json, and the settings in the
-prose against the composed configs. A measurement-like number in the README's prose (a decimal, a thousands
+prose and the differences table against the composed configs; docs/performance.md's CPU tables against
+docs/perf/cpu.json. A measurement-like number in the README's prose (a decimal, a thousands
 separator, a K, % or x suffix) that no check here claims fails the test: quote it with its source and add
 its check, or remove it."""
 import functools
@@ -194,6 +195,39 @@ def test_not_yet_measured_is_still_unmeasured():
     for name in ("bench_fid.txt", "bench_suite.txt"):
         assert (logs / name).read_text().rstrip().endswith("rc 124"), name  # killed by its time limit
     assert not list(PERF.glob("h100_training*")) and not list(PERF.glob("h100_eval*"))
+
+
+# ------------------------------------------------------------------------------------------------------
+# docs/performance.md's CPU tables: docs/perf/cpu.json
+
+
+PERFORMANCE = (REPO / "docs" / "performance.md").read_text()
+
+
+def test_cpu_training_table_is_the_benchmark_json():
+    runs = {(r["backbone"], r["code"], r["mode"], r["model"]): r
+            for r in json.loads((PERF / "cpu.json").read_text())["training"]}
+    rows = table(PERFORMANCE, "| backbone | code | mode | dit step (ms) |")
+    assert len(rows) == len(runs) // 2
+    for row in rows:
+        key = (row["backbone"], row["code"], row["mode"].split(" (")[0])
+        dit, tread = runs[(*key, "dit")], runs[(*key, "tread")]
+        assert_close(row["dit step (ms)"], dit["step_s"] * 1000, f"{key} dit step")
+        assert_close(row["tread step (ms)"], tread["step_s"] * 1000, f"{key} tread step")
+        assert_close(row["speed-up"], tread["speedup"], f"{key} speed-up")
+        assert_close(row["FLOP bound"], tread["flop_bound"], f"{key} FLOP bound")
+        assert_close(row["speed-up / bound"], tread["speedup_vs_bound"], f"{key} speed-up / bound")
+
+
+def test_cpu_sampling_table_is_the_benchmark_json():
+    runs = {(r["backbone"], r["guidance"]): r for r in json.loads((PERF / "cpu.json").read_text())["sampling"]}
+    rows = table(PERFORMANCE, "| backbone | guidance | images/s | NFE/image |")
+    assert len(rows) == len(runs)
+    for row in rows:
+        kind = "unguided" if row["guidance"] == "unguided" else "cfg+interval" if "interval" in row["guidance"] else "cfg"
+        run = runs[(row["backbone"], kind)]
+        assert_close(row["images/s"], run["images_per_s"], f"{row['backbone']} {kind} images/s")
+        assert_close(row["NFE/image"], run["nfe_per_image"], f"{row['backbone']} {kind} NFE")
 
 
 # ------------------------------------------------------------------------------------------------------
