@@ -7,11 +7,12 @@ a bad value elsewhere is refused before torch is loaded.
 import dataclasses
 import functools
 import os
+import re
 import typing
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from training import config_schema as S
 from tread_utils.errors import UserError
@@ -54,16 +55,20 @@ def schema_at(cls, path: str):
 
 
 def unknown_key(root, full_key: str) -> UserError:
+    full_key = dotted(full_key)
     parent, _, name = full_key.rpartition(".")
     cls = schema_at(root, parent)
-    if cls is not None and name in {f.name for f in dataclasses.fields(cls)}:  # known, but not in the YAML
-        return UserError(f"{full_key} is not in the YAML defaults: add it with +{full_key}=...{_doc(root, full_key)}")
     known = ", ".join(f.name for f in dataclasses.fields(cls)) if cls else "none"
     return UserError(f"unknown config key {full_key}; {parent or 'the top level'} has: {known}")
 
 
+def dotted(full_key: str) -> str:
+    """OmegaConf's `routes[0].foo` as the command line spells it, `routes.0.foo`."""
+    return re.sub(r"\[(\d+)\]", r".\1", full_key)
+
+
 def _doc(root, full_key: str) -> str:
-    parent, _, name = full_key.replace("[", ".").replace("]", "").rpartition(".")
+    parent, _, name = dotted(full_key).rpartition(".")
     cls = schema_at(root, parent)
     found = [f for f in dataclasses.fields(cls) if f.name == name] if cls else []
     return f" ({found[0].metadata['doc']})" if found else ""
@@ -263,9 +268,11 @@ def check_train_config(cfg, world_size: int = 1):
     for key, ok, allowed, fix in RANGES:
         check(merged, key, ok, allowed, fix)
     if merged.dataset.kind != "shards":
-        for name in sorted(set(data["dataset"]) & set(S.SHARDS_ONLY)):
-            raise refuse(f"dataset.{name}", data["dataset"][name], f"left out: it applies to dataset.kind=shards "
-                         f"only, this is {merged.dataset.kind}", "remove the override")
+        defaults = OmegaConf.structured(S.DatasetSchema)
+        for name in S.SHARDS_ONLY:
+            if merged.dataset[name] != defaults[name]:
+                raise refuse(f"dataset.{name}", merged.dataset[name], f"left at its default {defaults[name]}: it "
+                             f"applies to dataset.kind=shards only, this is {merged.dataset.kind}", "remove the override")
     check_sampler(merged, "train.eval.sampler")
     check_cross(merged, world_size)
     check_paths(merged)
@@ -300,10 +307,18 @@ def check_sample_config(cfg):
     return merged
 
 
-def hydra_error_line(e) -> str:
-    """One line for an error Hydra raises while composing (a bad override, an unknown group option)."""
-    cause = e if isinstance(e, (ConfigKeyError, ConfigAttributeError)) else e.__cause__
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
-        return str(unknown_key(S.ConfigSchema, str(cause.full_key)))
+def hydra_error_line(e, root=S.ConfigSchema) -> str:
+    """One line for an error Hydra raises while composing (a bad override, an unknown group option, a value
+    of the wrong type for the schema)."""
+    cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
+    full_key = dotted(str(getattr(cause, "full_key", None) or ""))
+    override = re.search(r"override '?([\w.]+)", str(e))
+    if full_key and override and not (full_key.startswith(override[1]) or override[1].startswith(full_key)):  # inside a list given whole: its key
+        full_key = f"{override[1]}.{full_key}"
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and full_key:
+        return str(unknown_key(root, full_key))
+    if isinstance(cause, ValidationError) and full_key:
+        reason = str(getattr(cause, "msg", cause)).splitlines()[0]
+        return f"{full_key}: {reason}{_doc(root, full_key)}"
     text = str(e).split("Config search path")[0]
     return "configuration: " + " ".join(line.strip() for line in text.splitlines() if line.strip())

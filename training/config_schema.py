@@ -1,14 +1,21 @@
 """The typed schema of every config key: configs/config.yaml with its groups (model, diffuser, dataset;
 sweep presets only set hydra.* and keys named here) and configs/sample.yaml. One place that says what each
-key is; `training.config_check` merges a composed config into it (types, unknown keys) and then applies
-the value rules. The YAML files stay the defaults users read: a key the YAML always sets has no default
-here (MISSING), a key it may leave out has its default here (None = "decided elsewhere", see its text).
+key is (its `doc`, from which docs/configuration.md is written by `python -m tools.config_doc`).
 
-Light on purpose (dataclasses and omegaconf only): a bad config is refused before torch is imported.
+The schema is the base the YAML files extend: importing this module stores it in Hydra's ConfigStore
+(`base_config`, `base_sample`, and the group bases `model/base_model`, `diffuser/base_diffuser`), and the
+YAML defaults lists name them, so composition itself refuses an unknown key or a wrong type and fills the
+defaults here (a route's, for one). The YAML files stay the defaults users read: a key the YAML always sets
+has no default here (MISSING), a key it may leave out has its default here (None = "decided elsewhere",
+see its text). `training.config_check` then applies the value and cross-field rules.
+
+Light on purpose (dataclasses, omegaconf and Hydra's ConfigStore): a bad config is refused before torch
+is imported.
 """
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, List, Optional
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -275,3 +282,15 @@ class SampleSchema:
     routing_guidance: RoutingGuidanceSchema = key("TREAD routing guidance", factory=RoutingGuidanceSchema)
     path_drop_guidance: PathDropGuidanceSchema = key("SPRINT path-drop guidance (sprint routes)",
                                                      factory=PathDropGuidanceSchema)
+
+
+def register():
+    """The schema as Hydra's base configs (the names the YAML defaults lists give)."""
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=ConfigSchema)
+    store.store(name="base_sample", node=SampleSchema)
+    store.store(group="model", name="base_model", node=ModelSchema)
+    store.store(group="diffuser", name="base_diffuser", node=DiffuserSchema)
+
+
+register()
