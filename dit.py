@@ -247,12 +247,12 @@ def model_kwargs(backbone_type: str, params) -> dict:
                             f"remove the key or set it to {supported!r}")
     kwargs = {**DiT_models[backbone_type], **params}
     if kwargs.get("init", "official") not in INITS:
-        raise UserError(f"model.params.init={kwargs['init']!r} is not allowed: it must be one of {', '.join(INITS)} "
+        raise UserError(f"model.params.init must be one of {', '.join(INITS)}, got {kwargs['init']!r} "
                         f"(official: the authors' xavier init; adaln_zero: DiT's)")
     kwargs["routes"] = [dict(r) for r in (kwargs.get("routes") or [])]
     if kwargs.get("block_type", "attention") not in block_classes():
-        raise UserError(f"model.params.block_type={kwargs['block_type']!r} is not allowed: it must be one of "
-                        f"{', '.join(block_classes())}")
+        raise UserError(f"model.params.block_type must be one of {', '.join(block_classes())}, "
+                        f"got {kwargs['block_type']!r}")
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
     resolve_routes(kwargs["routes"], kwargs["depth"])

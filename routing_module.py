@@ -89,6 +89,9 @@ class Route:
         return self.schedule.ratio_at(self.schedule.start_step if step is None else step)
 
 
+DEFAULT_ROUTE = Route(0, 0, 0.0)  # its optional keys' defaults (tests/test_config_schema.py: the schema's are these)
+
+
 class RouteError(UserError):
     """An invalid route configuration."""
 
@@ -127,10 +130,9 @@ def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
 
 
 def resolve_fusion(r, name: str) -> dict:
-    """A route's fusion options (backbones/sprint.py), checked."""
-    out = dict(fusion=str(r.get("fusion") or "none"), path_drop_prob=r.get("path_drop_prob", 0.1),
-               mask_token_trainable=r.get("mask_token_trainable", False),
-               mask_token_init=str(r.get("mask_token_init") or "normal"), fusion_init=str(r.get("fusion_init") or "xavier"))
+    """A route's fusion options (backbones/sprint.py), checked; a key left out or null takes `Route`'s default."""
+    out = {key: DEFAULT_ROUTE.__dict__[key] if r.get(key) is None else r[key]
+           for key in ("fusion", "path_drop_prob", "mask_token_trainable", "mask_token_init", "fusion_init")}
     for key, allowed in (("fusion", FUSIONS), ("mask_token_init", MASK_TOKEN_INITS), ("fusion_init", FUSION_INITS)):
         if out[key] not in allowed:
             raise RouteError(f"{name}: {key} must be one of {', '.join(allowed)}, got {out[key]!r}")
@@ -171,7 +173,8 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
         if not 0.0 <= ratio < 1.0:
             raise RouteError(f"{name}: selection_ratio must be in [0, 1) (the fraction of tokens that skip), "
                              f"got {ratio}")
-        selection, mix = str(r.get("selection", "random")), float(r.get("importance_mix", 0.0))
+        selection = str(DEFAULT_ROUTE.selection if r.get("selection") is None else r["selection"])
+        mix = float(DEFAULT_ROUTE.importance_mix if r.get("importance_mix") is None else r["importance_mix"])
         if selection not in SELECTIONS:
             raise RouteError(f"{name}: selection must be one of {SELECTIONS}, got {selection!r}")
         if not 0.0 <= mix <= 1.0:

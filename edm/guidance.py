@@ -131,8 +131,7 @@ class ClassifierFreeGuidance(_NetWrapper):
         self._num_classes = int(num_classes)
         if interval is not None:
             lo, hi = (float(v) for v in interval)
-            if not lo <= hi:
-                raise ValueError(f"guidance interval must satisfy lo <= hi, got ({lo}, {hi})")
+            assert lo <= hi, f"guidance interval ({lo}, {hi})"
             interval = (lo, hi)
         self.interval = interval
 

@@ -73,21 +73,14 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
     """
     options = options or {}
     get = options.get
-    try:
-        cfg_scale = float(1.0 if get("cfg_scale") is None else get("cfg_scale"))
-    except (TypeError, ValueError):
-        raise UserError(f"cfg_scale must be a number, got {get('cfg_scale')!r}") from None
-    interval = get("guidance_interval")
+    cfg_scale = float(1.0 if get("cfg_scale") is None else get("cfg_scale"))
+    interval = get("guidance_interval")  # checked at the entry point (training.config_check)
     routing = get("routing_guidance") or {}
     _refuse_unknown(routing, ROUTING_GUIDANCE_KEYS, "routing_guidance key")
     routing_scale = routing.get("scale")
     if interval is not None:
-        try:
-            lo, hi = (float(v) for v in interval)
-        except (TypeError, ValueError):
-            raise UserError(f"guidance_interval must be [sigma_lo, sigma_hi] or null, got {interval!r}") from None
-        if not 0 <= lo <= hi:
-            raise UserError(f"guidance_interval must satisfy 0 <= sigma_lo <= sigma_hi, got [{lo}, {hi}]")
+        lo, hi = (float(v) for v in interval)
+        assert 0 <= lo <= hi, f"guidance_interval {interval}"
         interval = (lo, hi)
     if cfg_scale != 1.0:
         if class_drop_prob is not None and float(class_drop_prob) == 0.0:

@@ -22,19 +22,19 @@ def _field_types(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-def _list_element(tp):
+def list_element(tp):
     """X for List[X] / Optional[List[X]], else None."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) is list:
         return args[0] if args else None
-    return _list_element(args[0]) if typing.get_origin(tp) is typing.Union and len(args) == 1 else None
+    return list_element(args[0]) if typing.get_origin(tp) is typing.Union and len(args) == 1 else None
 
 
 def schema_keys(cls, prefix: str = "") -> list:
     """Every leaf key of a schema, `a.b.c`; a list of schemas as `routes[i].field`."""
     out = []
     for name, tp in _field_types(cls).items():
-        element = _list_element(tp)
+        element = list_element(tp)
         if dataclasses.is_dataclass(tp):
             out += schema_keys(tp, f"{prefix}{name}.")
         elif element is not None and dataclasses.is_dataclass(element):
@@ -50,7 +50,7 @@ def schema_at(cls, path: str):
         if part.isdigit():
             continue
         tp = _field_types(cls).get(part) if dataclasses.is_dataclass(cls) else None
-        cls = _list_element(tp) or tp if tp is not None else None
+        cls = list_element(tp) or tp if tp is not None else None
     return cls if dataclasses.is_dataclass(cls) else None
 
 
@@ -79,7 +79,7 @@ def _walk_lists(cls, data, path: str, root):
     if not isinstance(data, dict):
         return
     for name, tp in _field_types(cls).items():
-        value, element = data.get(name), _list_element(tp)
+        value, element = data.get(name), list_element(tp)
         if dataclasses.is_dataclass(tp):
             _walk_lists(tp, value, f"{path}{name}.", root)
         elif element is not None and dataclasses.is_dataclass(element) and isinstance(value, list):
@@ -128,6 +128,10 @@ def in_unit(v):  # [0, 1)
     return v is not None and 0 <= v < 1
 
 
+# (test, allowed) of a guidance interval, training's (train.eval) and sample.py's
+GUIDANCE_INTERVAL = (lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
+                     "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi")
+
 # (key, test, allowed, fix): single-key ranges of the training config
 RANGES = [
     ("global_seed", at_least(0), ">= 0", ""),
@@ -164,8 +168,7 @@ RANGES = [
      "a non-empty list of scales >= 0 or null (1 and null: unguided)", "e.g. train.eval.cfg_scales=[null,1.5]"),
     ("train.eval.path_drop_scales", lambda v: all(s is not None and s >= 0 for s in v),
      "a list of path-drop guidance scales >= 0 (empty: none)", "e.g. train.eval.path_drop_scales=[1.5]"),
-    ("train.eval.guidance_interval", lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
-     "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi", "e.g. train.eval.guidance_interval=[0.3,2.9]"),
+    ("train.eval.guidance_interval", *GUIDANCE_INTERVAL, "e.g. train.eval.guidance_interval=[0.3,2.9]"),
     ("dataset.quantize", lambda v: v in S.QUANTIZE, f"one of {', '.join(S.QUANTIZE)}", "e.g. dataset.quantize=truncate"),
     ("diffuser.name", lambda v: v in S.DIFFUSER_NAMES, f"one of {', '.join(S.DIFFUSER_NAMES)}", "e.g. diffuser=edm"),
     ("diffuser.P_std", lambda v: v > 0, "> 0", "e.g. diffuser.P_std=1.2"),
@@ -176,12 +179,6 @@ RANGES = [
     ("repa.block", at_least(0), "a block index >= 0 (the tokens after that block are aligned)", "e.g. repa.block=3"),
     ("repa.encoder", lambda v: v in S.REPA_ENCODERS, f"one of {', '.join(S.REPA_ENCODERS)}",
      "e.g. repa.encoder=dinov2_vitb14"),
-    ("model.params.init", lambda v: v in S.MODEL_INITS, f"one of {', '.join(S.MODEL_INITS)}",
-     "e.g. model.params.init=official"),
-    ("model.params.cond_mode", lambda v: v == "adaln", "adaln (the only conditioning implemented)",
-     "remove the override"),
-    ("model.params.learn_sigma", lambda v: v is False, "false (a learned variance is not implemented)",
-     "remove the override"),
 ]
 for _name in ("num_classes", "in_channels", "input_size"):
     RANGES.append((f"model.params.{_name}", at_least(1), "at least 1", f"set dataset.{_name}"))
@@ -304,6 +301,7 @@ def check_sample_config(cfg):
     """sample.py's options (configs/sample.yaml); its command checks the rest (seeds, paths, checkpoint)."""
     merged = conform(S.SampleSchema, resolved(cfg))
     check_sampler(merged, "sampler")
+    check(merged, "guidance_interval", *GUIDANCE_INTERVAL, "e.g. guidance_interval=[0.3,5]")
     return merged
 
 
