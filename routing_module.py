@@ -35,7 +35,7 @@ in any sample)`: a sample with many forced tokens raises the kept count of the w
 samples with fewer fill the rest by their selection rule.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -46,7 +46,6 @@ from tread_utils.errors import UserError
 
 SELECTIONS = ("random", "importance")
 SCHEDULE_KINDS = ("constant", "linear", "cosine")
-SCHEDULE_KEYS = ("kind", "start_ratio", "end_ratio", "start_step", "end_step", "levels")
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,8 @@ class RouteError(UserError):
     """An invalid route configuration."""
 
 
-ROUTE_KEYS = ("start_layer_idx", "end_layer_idx", "selection_ratio", "selection", "importance_mix", "schedule",
-              "fusion", "path_drop_prob", "mask_token_trainable", "mask_token_init", "fusion_init")
+ROUTE_KEYS = tuple(f.name for f in fields(Route))
+SCHEDULE_KEYS = tuple(f.name for f in fields(Schedule))
 
 
 def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
@@ -106,7 +105,7 @@ def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
     unknown = sorted(set(spec) - set(SCHEDULE_KEYS))
     if unknown:
         raise RouteError(f"{name}: unknown schedule key(s) {unknown}; accepted: {', '.join(SCHEDULE_KEYS)}")
-    kind = str(spec.get("kind") or "constant")
+    kind = str(spec.get("kind") or DEFAULT_ROUTE.schedule.kind)
     if kind not in SCHEDULE_KINDS:
         raise RouteError(f"{name}: schedule.kind must be one of {', '.join(SCHEDULE_KINDS)}, got {kind!r}")
     if kind == "constant":

@@ -1,8 +1,12 @@
-"""One validation pass over a composed config, before anything runs: no directory created, no checkpoint
-touched. First the schema (`training.config_schema`: types, unknown keys at every level, route dicts
-included), then the value ranges and cross-field rules. Each refusal is one UserError line naming the key,
-the value, what is allowed and a fix. Only the last step (backbone and routes) imports the model code, so
-a bad value elsewhere is refused before torch is loaded.
+"""The value rules of a config, every one of them, run once by the entry point before anything runs: no
+directory created, no checkpoint touched. The schema (`training.config_schema`) is the configs' base, so
+composition has already refused a wrong type or an unknown key (`hydra_error_line` words Hydra's error);
+this pass merges the resolved config into the schema once more (a key added with `+` and a value an
+interpolation gave are typed there), then applies the value ranges and cross-field rules. The model's
+own rules (backbone, `model.params`, routes) are `dit.model_kwargs` and `routing_module.resolve_routes`,
+the checks Python callers of `dit.get_model` get too: this pass calls them last, so a bad value elsewhere
+is refused before torch is loaded. Each refusal is one UserError line naming the key, the value, what is
+allowed and a fix; code below the entry point asserts what it relies on instead of checking again.
 """
 import dataclasses
 import functools
