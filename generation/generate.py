@@ -96,11 +96,8 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
         if router is None or not router.routes:
             raise UserError("routing guidance needs a model with TREAD routes (model.params.routes); this "
                             "checkpoint has none - set routing_guidance.scale=null")
-        try:
-            net = RoutingGuidance(net, weak_ratio=float(routing.get("weak_ratio", 0.7)),
-                                  strong_ratio=float(routing.get("strong_ratio", 0.3)), scale=float(routing_scale))
-        except (TypeError, ValueError) as e:
-            raise UserError(f"routing_guidance: {e}") from None
+        net = RoutingGuidance(net, weak_ratio=float(routing.get("weak_ratio", 0.7)),
+                              strong_ratio=float(routing.get("strong_ratio", 0.3)), scale=float(routing_scale))
     path_drop = get("path_drop_guidance") or {}
     _refuse_unknown(path_drop, PATH_DROP_GUIDANCE_KEYS, "path_drop_guidance key")
     if path_drop.get("scale") is not None:
@@ -108,10 +105,7 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
         if not len(getattr(backbone, "fusions", ())):
             raise UserError("path-drop guidance needs a model with SPRINT routes (model.params.routes[i].fusion="
                             "sprint); this checkpoint has none - set path_drop_guidance.scale=null")
-        try:
-            net = PathDropGuidance(net, float(path_drop["scale"]), interval=interval)
-        except (TypeError, ValueError) as e:
-            raise UserError(f"path_drop_guidance.scale must be a number, got {path_drop['scale']!r} ({e})") from None
+        net = PathDropGuidance(net, float(path_drop["scale"]), interval=interval)
     return net
 
 

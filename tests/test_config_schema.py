@@ -183,14 +183,17 @@ def test_route_defaults_are_the_routers():
     assert route.schedule.kind == DEFAULT_ROUTE.schedule.kind
 
 
-def test_sample_guidance_interval_is_checked_at_the_entry_point():
+def test_sample_guidance_is_checked_at_the_entry_point():
     from training.config_check import check_sample_config
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         bad = compose("sample", overrides=["ckpt=x", "guidance_interval=[5,1]"])
         good = compose("sample", overrides=["ckpt=x", "guidance_interval=[0.3,5]"])
+        ratio = compose("sample", overrides=["ckpt=x", "routing_guidance.weak_ratio=1"])
     with pytest.raises(UserError, match=re.escape("guidance_interval=[5.0, 1.0] is not allowed")):
         check_sample_config(bad)
+    with pytest.raises(UserError, match=re.escape("routing_guidance.weak_ratio=1.0 is not allowed")):
+        check_sample_config(ratio)
     assert list(check_sample_config(good).guidance_interval) == [0.3, 5.0]
 
 

@@ -306,6 +306,9 @@ def check_sample_config(cfg):
     merged = conform(S.SampleSchema, resolved(cfg))
     check_sampler(merged, "sampler")
     check(merged, "guidance_interval", *GUIDANCE_INTERVAL, "e.g. guidance_interval=[0.3,5]")
+    for key, example in (("weak_ratio", 0.7), ("strong_ratio", 0.3)):
+        check(merged, f"routing_guidance.{key}", in_unit, "in [0, 1) (the fraction of tokens that skip the routes)",
+              f"e.g. routing_guidance.{key}={example}")
     return merged
 
 
