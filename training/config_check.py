@@ -272,8 +272,8 @@ def check_train_config(cfg, world_size: int = 1):
         defaults = OmegaConf.structured(S.DatasetSchema)
         for name in S.SHARDS_ONLY:
             if merged.dataset[name] != defaults[name]:
-                raise refuse(f"dataset.{name}", merged.dataset[name], f"left at its default {defaults[name]}: it "
-                             f"applies to dataset.kind=shards only, this is {merged.dataset.kind}", "remove the override")
+                raise refuse(f"dataset.{name}", merged.dataset[name], f"left at its default {defaults[name]} (it "
+                             f"applies to dataset.kind=shards only, this is {merged.dataset.kind})", "remove the override")
     check_sampler(merged, "train.eval.sampler")
     check_cross(merged, world_size)
     check_paths(merged)
