@@ -230,11 +230,13 @@ PAPER_ONLY_VALUES = {"cond_mode": ("adaln", "adaLN conditioning is the only one 
 
 def model_kwargs(backbone_type: str, params) -> dict:
     """The checked arguments of `DiT` for a registry name and the config's `model.params` (which may override
-    sizes); raises a one-line UserError for an unknown backbone, key or value, routes included."""
+    sizes; a null value keeps the registry's or DiT's default). The one check of the model's values, for the
+    config (training.config_check calls it) and for Python callers alike: a one-line UserError for an
+    unknown backbone, key or value, routes included (`resolve_routes`)."""
     if backbone_type not in DiT_models:
         raise UserError(f"unknown backbone {backbone_type!r}; choose one of {', '.join(DiT_models)} "
                         f"(model.backbone_type)")
-    params = dict(params)
+    params = {k: v for k, v in dict(params).items() if v is not None}
     unknown = sorted(set(params) - MODEL_PARAM_KEYS)
     if unknown:
         raise UserError(f"unknown model.params key(s) {unknown}; accepted: {sorted(MODEL_PARAM_KEYS)}")
@@ -248,8 +250,9 @@ def model_kwargs(backbone_type: str, params) -> dict:
         raise UserError(f"model.params.init must be one of {', '.join(INITS)}, got {kwargs['init']!r} "
                         f"(official: the authors' xavier init; adaln_zero: DiT's)")
     kwargs["routes"] = [dict(r) for r in (kwargs.get("routes") or [])]
-    if kwargs.get("block_type", "attention") not in ("attention", "ssm"):
-        raise UserError(f"model.params.block_type must be 'attention' or 'ssm', got {kwargs['block_type']!r}")
+    if kwargs.get("block_type", "attention") not in block_classes():
+        raise UserError(f"model.params.block_type must be one of {', '.join(block_classes())}, "
+                        f"got {kwargs['block_type']!r}")
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
     resolve_routes(kwargs["routes"], kwargs["depth"])

@@ -35,7 +35,7 @@ in any sample)`: a sample with many forced tokens raises the kept count of the w
 samples with fewer fill the rest by their selection rule.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -46,7 +46,6 @@ from tread_utils.errors import UserError
 
 SELECTIONS = ("random", "importance")
 SCHEDULE_KINDS = ("constant", "linear", "cosine")
-SCHEDULE_KEYS = ("kind", "start_ratio", "end_ratio", "start_step", "end_step", "levels")
 
 
 @dataclass(frozen=True)
@@ -89,12 +88,15 @@ class Route:
         return self.schedule.ratio_at(self.schedule.start_step if step is None else step)
 
 
+DEFAULT_ROUTE = Route(0, 0, 0.0)  # its optional keys' defaults (tests/test_config_schema.py: the schema's are these)
+
+
 class RouteError(UserError):
     """An invalid route configuration."""
 
 
-ROUTE_KEYS = ("start_layer_idx", "end_layer_idx", "selection_ratio", "selection", "importance_mix", "schedule",
-              "fusion", "path_drop_prob", "mask_token_trainable", "mask_token_init", "fusion_init")
+ROUTE_KEYS = tuple(f.name for f in fields(Route))
+SCHEDULE_KEYS = tuple(f.name for f in fields(Schedule))
 
 
 def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
@@ -103,7 +105,7 @@ def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
     unknown = sorted(set(spec) - set(SCHEDULE_KEYS))
     if unknown:
         raise RouteError(f"{name}: unknown schedule key(s) {unknown}; accepted: {', '.join(SCHEDULE_KEYS)}")
-    kind = str(spec.get("kind") or "constant")
+    kind = str(spec.get("kind") or DEFAULT_ROUTE.schedule.kind)
     if kind not in SCHEDULE_KINDS:
         raise RouteError(f"{name}: schedule.kind must be one of {', '.join(SCHEDULE_KINDS)}, got {kind!r}")
     if kind == "constant":
@@ -127,10 +129,9 @@ def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
 
 
 def resolve_fusion(r, name: str) -> dict:
-    """A route's fusion options (backbones/sprint.py), checked."""
-    out = dict(fusion=str(r.get("fusion") or "none"), path_drop_prob=r.get("path_drop_prob", 0.1),
-               mask_token_trainable=r.get("mask_token_trainable", False),
-               mask_token_init=str(r.get("mask_token_init") or "normal"), fusion_init=str(r.get("fusion_init") or "xavier"))
+    """A route's fusion options (backbones/sprint.py), checked; a key left out or null takes `Route`'s default."""
+    out = {key: DEFAULT_ROUTE.__dict__[key] if r.get(key) is None else r[key]
+           for key in ("fusion", "path_drop_prob", "mask_token_trainable", "mask_token_init", "fusion_init")}
     for key, allowed in (("fusion", FUSIONS), ("mask_token_init", MASK_TOKEN_INITS), ("fusion_init", FUSION_INITS)):
         if out[key] not in allowed:
             raise RouteError(f"{name}: {key} must be one of {', '.join(allowed)}, got {out[key]!r}")
@@ -171,7 +172,8 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
         if not 0.0 <= ratio < 1.0:
             raise RouteError(f"{name}: selection_ratio must be in [0, 1) (the fraction of tokens that skip), "
                              f"got {ratio}")
-        selection, mix = str(r.get("selection", "random")), float(r.get("importance_mix", 0.0))
+        selection = str(DEFAULT_ROUTE.selection if r.get("selection") is None else r["selection"])
+        mix = float(DEFAULT_ROUTE.importance_mix if r.get("importance_mix") is None else r["importance_mix"])
         if selection not in SELECTIONS:
             raise RouteError(f"{name}: selection must be one of {SELECTIONS}, got {selection!r}")
         if not 0.0 <= mix <= 1.0:

@@ -131,8 +131,7 @@ class ClassifierFreeGuidance(_NetWrapper):
         self._num_classes = int(num_classes)
         if interval is not None:
             lo, hi = (float(v) for v in interval)
-            if not lo <= hi:
-                raise ValueError(f"guidance interval must satisfy lo <= hi, got ({lo}, {hi})")
+            assert lo <= hi, f"guidance interval ({lo}, {hi})"
             interval = (lo, hi)
         self.interval = interval
 
@@ -222,9 +221,7 @@ class RoutingGuidance(_NetWrapper):
 
     def __init__(self, net, weak_ratio: float, strong_ratio: float, scale: float, seed: int = 0):
         super().__init__(net)
-        for name, r in (("weak_ratio", weak_ratio), ("strong_ratio", strong_ratio)):
-            if not 0.0 <= float(r) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1) (fraction of tokens that skip), got {r}")
+        assert 0.0 <= weak_ratio < 1.0 and 0.0 <= strong_ratio < 1.0, (weak_ratio, strong_ratio)
         self.weak_ratio = float(weak_ratio)
         self.strong_ratio = float(strong_ratio)
         self.scale = float(scale)

@@ -73,21 +73,14 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
     """
     options = options or {}
     get = options.get
-    try:
-        cfg_scale = float(1.0 if get("cfg_scale") is None else get("cfg_scale"))
-    except (TypeError, ValueError):
-        raise UserError(f"cfg_scale must be a number, got {get('cfg_scale')!r}") from None
-    interval = get("guidance_interval")
+    cfg_scale = float(1.0 if get("cfg_scale") is None else get("cfg_scale"))
+    interval = get("guidance_interval")  # checked at the entry point (training.config_check)
     routing = get("routing_guidance") or {}
     _refuse_unknown(routing, ROUTING_GUIDANCE_KEYS, "routing_guidance key")
     routing_scale = routing.get("scale")
     if interval is not None:
-        try:
-            lo, hi = (float(v) for v in interval)
-        except (TypeError, ValueError):
-            raise UserError(f"guidance_interval must be [sigma_lo, sigma_hi] or null, got {interval!r}") from None
-        if not 0 <= lo <= hi:
-            raise UserError(f"guidance_interval must satisfy 0 <= sigma_lo <= sigma_hi, got [{lo}, {hi}]")
+        lo, hi = (float(v) for v in interval)
+        assert 0 <= lo <= hi, f"guidance_interval {interval}"
         interval = (lo, hi)
     if cfg_scale != 1.0:
         if class_drop_prob is not None and float(class_drop_prob) == 0.0:
@@ -103,11 +96,8 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
         if router is None or not router.routes:
             raise UserError("routing guidance needs a model with TREAD routes (model.params.routes); this "
                             "checkpoint has none - set routing_guidance.scale=null")
-        try:
-            net = RoutingGuidance(net, weak_ratio=float(routing.get("weak_ratio", 0.7)),
-                                  strong_ratio=float(routing.get("strong_ratio", 0.3)), scale=float(routing_scale))
-        except (TypeError, ValueError) as e:
-            raise UserError(f"routing_guidance: {e}") from None
+        net = RoutingGuidance(net, weak_ratio=float(routing.get("weak_ratio", 0.7)),
+                              strong_ratio=float(routing.get("strong_ratio", 0.3)), scale=float(routing_scale))
     path_drop = get("path_drop_guidance") or {}
     _refuse_unknown(path_drop, PATH_DROP_GUIDANCE_KEYS, "path_drop_guidance key")
     if path_drop.get("scale") is not None:
@@ -115,10 +105,7 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
         if not len(getattr(backbone, "fusions", ())):
             raise UserError("path-drop guidance needs a model with SPRINT routes (model.params.routes[i].fusion="
                             "sprint); this checkpoint has none - set path_drop_guidance.scale=null")
-        try:
-            net = PathDropGuidance(net, float(path_drop["scale"]), interval=interval)
-        except (TypeError, ValueError) as e:
-            raise UserError(f"path_drop_guidance.scale must be a number, got {path_drop['scale']!r} ({e})") from None
+        net = PathDropGuidance(net, float(path_drop["scale"]), interval=interval)
     return net
 
 

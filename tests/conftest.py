@@ -12,6 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import training.config_schema  # noqa: F401  (stores the schema, the configs' base, in Hydra's ConfigStore)
+
 # A small model so subprocess training runs take seconds: 4 blocks, 32 wide, route 1 -> 2.
 TINY_MODEL = ["+model.params.depth=4", "+model.params.hidden_size=32", "+model.params.num_heads=2"]
 TINY_ROUTE = ["model.params.routes.0.start_layer_idx=1", "model.params.routes.0.end_layer_idx=2"]

@@ -1,6 +1,7 @@
 """The config schema and its validation pass: bad values through the real command line (one line, exit 2,
-the results directory untouched), every shipped config accepted, the README's reference and the registries
-the schema names kept in step with it."""
+the results directory untouched), every shipped config accepted, the generated reference (docs/configuration.md)
+and the registries the schema names kept in step with it, each default in one place."""
+import dataclasses
 import re
 import subprocess
 import sys
@@ -8,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from conftest import REPO, assert_one_line_error, subprocess_env
 from training import config_schema as S
-from training.config_check import check_train_config, conform, schema_at, schema_keys
+from training.config_check import check_train_config, conform, hydra_error_line, schema_at, schema_keys
 from tread_utils.errors import UserError
 
 # case -> (overrides of the default digits config, words the error line must name)
@@ -31,10 +33,15 @@ BAD = {
     "sigma_min_above_max": (["+train.eval.sampler.sigma_min=80", "+train.eval.sampler.sigma_max=1"], "sigma_min"),
     "unknown_precision": (["train.mixed_precision=fp8"], "mixed_precision"),
     "missing_dataset_path": (["dataset=imagenet256", "dataset.train_path=/does/not/exist"], "/does/not/exist"),
-    "lr_not_a_number": (["train.optimizer.lr=abc"], "train.optimizer.lr"),
+    "lr_not_a_number": (["train.optimizer.lr=abc"], "train.optimizer.lr: Value 'abc' of type 'str' could not be converted"),
     "unknown_key_hydra": (["train.foo=1"], "unknown config key train.foo"),
     "unknown_key_schema": (["+train.general.foo=1"], "unknown config key train.general.foo"),
-    "unknown_route_key": (["+model.params.routes.0.foo=1"], "model.params.routes.0.foo"),
+    "unknown_route_key": (["+model.params.routes.0.foo=1"], "unknown config key model.params.routes.0.foo"),
+    "unknown_route_key_hydra": (["model.params.routes.0.foo=1"], "unknown config key model.params.routes.0.foo"),
+    "route_ratio_not_a_number": (["model.params.routes.0.selection_ratio=abc"],
+                                 "model.params.routes.0.selection_ratio: Value 'abc'"),
+    "unknown_key_in_a_route_list": (["model.params.routes=[{start_layer_idx:1,end_layer_idx:2,selection_ratio:0.5,x:1}]"],
+                                    "unknown config key model.params.routes.x"),
     "beta_of_one": (["train.optimizer.betas=[0.9,1.0]"], "betas"),
     "learn_sigma": (["model.params.learn_sigma=true"], "learn_sigma"),
     "unknown_init": (["model.params.init=xavier"], "model.params.init"),
@@ -79,8 +86,12 @@ def test_the_table_has_at_least_twenty_bad_values():
 
 
 def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    """The composed config; a refusal while composing (the schema is the base) as train.py words it."""
+    try:
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            return compose("config", overrides=list(overrides))
+    except HydraException as e:
+        raise UserError(hydra_error_line(e)) from None
 
 
 @pytest.mark.parametrize("overrides", [[], ["model=dit", "diffuser=rf"],
@@ -107,7 +118,7 @@ def test_shipped_configs_pass(overrides):
     (["dataset=imagenet256", "dataset.train_path=/"], "ref_batch"),
     (["init_from=/does/not/exist"], "init_from"),
     (["init_from_weights=model"], "init_from_weights=model is not allowed: it must be one of model_and_ema, ema"),
-    (["+dataset.posterior_sampling=false"], "dataset.kind=shards only"),
+    (["dataset.random_flip=true"], "dataset.kind=shards only"),
 ])
 def test_more_rules_in_process(overrides, needle):
     with pytest.raises(UserError, match=re.escape(needle)):
@@ -121,6 +132,7 @@ def test_batch_must_divide_over_processes():
 
 def test_sample_yaml_and_sweep_presets_follow_the_schema():
     sample = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "sample.yaml"))
+    assert sample.pop("defaults") == ["base_sample", "_self_"]
     conform(S.SampleSchema, sample)  # no unknown key, every type right
     assert set(schema_keys(S.SampleSchema)) == set(leaf_keys(sample))
     for preset in (REPO / "configs" / "sweep").glob("*.yaml"):
@@ -135,24 +147,54 @@ def leaf_keys(node, prefix=""):
         yield from leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
 
 
-def readme_keys():
-    """The keys the README's configuration table documents: `a.{b,c}` expanded, `+` dropped."""
-    text = (REPO / "README.md").read_text().split("## Configuration reference")[1].split("\n## ")[0]
-    keys = set()
-    for row in re.findall(r"^\| (.+?) \|", text, flags=re.M):
-        for cell in re.findall(r"`([^`]+)`", row):
-            head, _, rest = cell.lstrip("+").partition("{")
-            names, _, tail = rest.partition("}")
-            keys |= {f"{head}{n.strip()}{tail}" for n in names.split(",")} if rest else {head}
-    return keys
+def test_configuration_reference_is_generated():
+    from tools import config_doc
+
+    assert (REPO / "docs" / "configuration.md").read_text() == config_doc.render(), \
+        "docs/configuration.md is stale: run python -m tools.config_doc"
 
 
-def test_readme_reference_matches_the_schema():
-    groups = {p.name for p in (REPO / "configs").iterdir() if p.is_dir() and p.name not in ("hydra", "sweep")}
-    documented, schema = readme_keys(), set(schema_keys(S.ConfigSchema))
-    covered = {k for k in schema for d in documented if d.endswith(".*") and k.startswith(d[:-1])}
-    assert documented - schema - groups - {d for d in documented if d.endswith(".*")} == set(), "not in the schema"
-    assert schema - documented - covered == set(), "schema keys the README does not document"
+# the YAML files every composition starts from: a value they set is the default, so the schema has none
+BASE_YAML = {"config.yaml": "", "model/dit.yaml": "model.", "diffuser/edm.yaml": "diffuser.",
+             "diffuser/rf.yaml": "diffuser.", "sample.yaml": ""}
+
+
+@pytest.mark.parametrize("name, prefix", sorted(BASE_YAML.items()))
+def test_a_default_lives_in_one_place(name, prefix):
+    """A key the base YAML sets has no default in the schema (None, "decided elsewhere", aside)."""
+    raw = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / name))
+    raw.pop("defaults"), raw.pop("hydra", None)
+    schema = S.SampleSchema if name == "sample.yaml" else S.ConfigSchema
+    defaults = OmegaConf.structured(schema)
+    both = [prefix + k for k in leaf_keys(raw) if not OmegaConf.is_missing(defaults, prefix + k)
+            and OmegaConf.select(defaults, prefix + k) is not None]
+    assert both == [], f"set in configs/{name} and defaulted in the schema"
+
+
+def test_route_defaults_are_the_routers():
+    """A route's optional keys: the schema's defaults (what the config fills in) are the router's."""
+    from routing_module import DEFAULT_ROUTE
+
+    route = OmegaConf.structured(S.RouteSchema)
+    optional = [f.name for f in dataclasses.fields(S.RouteSchema) if not OmegaConf.is_missing(route, f.name)
+                and f.name != "schedule"]
+    assert len(optional) == 7
+    assert {k: route[k] for k in optional} == {k: getattr(DEFAULT_ROUTE, k) for k in optional}
+    assert route.schedule.kind == DEFAULT_ROUTE.schedule.kind
+
+
+def test_sample_guidance_is_checked_at_the_entry_point():
+    from training.config_check import check_sample_config
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        bad = compose("sample", overrides=["ckpt=x", "guidance_interval=[5,1]"])
+        good = compose("sample", overrides=["ckpt=x", "guidance_interval=[0.3,5]"])
+        ratio = compose("sample", overrides=["ckpt=x", "routing_guidance.weak_ratio=1"])
+    with pytest.raises(UserError, match=re.escape("guidance_interval=[5.0, 1.0] is not allowed")):
+        check_sample_config(bad)
+    with pytest.raises(UserError, match=re.escape("routing_guidance.weak_ratio=1.0 is not allowed")):
+        check_sample_config(ratio)
+    assert list(check_sample_config(good).guidance_interval) == [0.3, 5.0]
 
 
 def test_names_the_schema_allows_are_the_registries():
@@ -165,8 +207,8 @@ def test_names_the_schema_allows_are_the_registries():
     from training.repa_teachers import TEACHERS
 
     assert set(S.DIFFUSER_NAMES) == set(DIFFUSERS) and set(S.DATASET_KINDS) == set(data.DATASETS)
-    assert set(S.SAMPLER_NAMES) == set(generation.SAMPLERS) and S.SELECTIONS == routing_module.SELECTIONS
+    assert set(S.SAMPLER_NAMES) == set(generation.SAMPLERS)
     assert S.SCORER_FEATURE_DIMS == {"digits": digits_classifier.POOL_DIM, "shards": inception.POOL_DIM}
-    assert dit.MODEL_PARAM_KEYS <= set(S.ModelParamsSchema.__dataclass_fields__)
-    assert S.MODEL_INITS == dit.INITS and S.QUANTIZE == data.vae.QUANTIZE
+    assert dit.MODEL_PARAM_KEYS == set(S.ModelParamsSchema.__dataclass_fields__)
+    assert S.QUANTIZE == data.vae.QUANTIZE
     assert set(S.REPA_ENCODERS) == set(TEACHERS)

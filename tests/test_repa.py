@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -17,7 +18,7 @@ from conftest import REPO, assert_one_line_error, run_script, tiny_overrides
 from dit import DiT
 from edm import EDMLoss, EDMPrecond
 from training.checkpoint import list_checkpoints, load_checkpoint, load_sampling_net
-from training.config_check import check_train_config
+from training.config_check import check_train_config, hydra_error_line
 from training.repa import (RepaLoss, alignment_loss, build_repa, fit_optimizer_state, load_projector,
                            projector_training_flops, to_token_grid)
 from training.repa_teachers import build_teacher, dinov2_weights_file
@@ -213,8 +214,11 @@ def test_projector_from_checkpoints_with_and_without_it(capsys):
 
 
 def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    try:  # a wrong type is refused while composing (the schema is the base), in train.py's words
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            return compose("config", overrides=list(overrides))
+    except HydraException as e:
+        raise UserError(hydra_error_line(e)) from None
 
 
 @pytest.mark.parametrize("overrides, needle", [

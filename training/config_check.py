@@ -1,17 +1,22 @@
-"""One validation pass over a composed config, before anything runs: no directory created, no checkpoint
-touched. First the schema (`training.config_schema`: types, unknown keys at every level, route dicts
-included), then the value ranges and cross-field rules. Each refusal is one UserError line naming the key,
-the value, what is allowed and a fix. Only the last step (backbone and routes) imports the model code, so
-a bad value elsewhere is refused before torch is loaded.
+"""The value rules of a config, every one of them, run once by the entry point before anything runs: no
+directory created, no checkpoint touched. The schema (`training.config_schema`) is the configs' base, so
+composition has already refused a wrong type or an unknown key (`hydra_error_line` words Hydra's error);
+this pass merges the resolved config into the schema once more (a key added with `+` and a value an
+interpolation gave are typed there), then applies the value ranges and cross-field rules. The model's
+own rules (backbone, `model.params`, routes) are `dit.model_kwargs` and `routing_module.resolve_routes`,
+the checks Python callers of `dit.get_model` get too: this pass calls them last, so a bad value elsewhere
+is refused before torch is loaded. Each refusal is one UserError line naming the key, the value, what is
+allowed and a fix; code below the entry point asserts what it relies on instead of checking again.
 """
 import dataclasses
 import functools
 import os
+import re
 import typing
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from training import config_schema as S
 from tread_utils.errors import UserError
@@ -21,19 +26,19 @@ def _field_types(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-def _list_element(tp):
+def list_element(tp):
     """X for List[X] / Optional[List[X]], else None."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) is list:
         return args[0] if args else None
-    return _list_element(args[0]) if typing.get_origin(tp) is typing.Union and len(args) == 1 else None
+    return list_element(args[0]) if typing.get_origin(tp) is typing.Union and len(args) == 1 else None
 
 
 def schema_keys(cls, prefix: str = "") -> list:
     """Every leaf key of a schema, `a.b.c`; a list of schemas as `routes[i].field`."""
     out = []
     for name, tp in _field_types(cls).items():
-        element = _list_element(tp)
+        element = list_element(tp)
         if dataclasses.is_dataclass(tp):
             out += schema_keys(tp, f"{prefix}{name}.")
         elif element is not None and dataclasses.is_dataclass(element):
@@ -49,21 +54,25 @@ def schema_at(cls, path: str):
         if part.isdigit():
             continue
         tp = _field_types(cls).get(part) if dataclasses.is_dataclass(cls) else None
-        cls = _list_element(tp) or tp if tp is not None else None
+        cls = list_element(tp) or tp if tp is not None else None
     return cls if dataclasses.is_dataclass(cls) else None
 
 
 def unknown_key(root, full_key: str) -> UserError:
+    full_key = dotted(full_key)
     parent, _, name = full_key.rpartition(".")
     cls = schema_at(root, parent)
-    if cls is not None and name in {f.name for f in dataclasses.fields(cls)}:  # known, but not in the YAML
-        return UserError(f"{full_key} is not in the YAML defaults: add it with +{full_key}=...{_doc(root, full_key)}")
     known = ", ".join(f.name for f in dataclasses.fields(cls)) if cls else "none"
     return UserError(f"unknown config key {full_key}; {parent or 'the top level'} has: {known}")
 
 
+def dotted(full_key: str) -> str:
+    """OmegaConf's `routes[0].foo` as the command line spells it, `routes.0.foo`."""
+    return re.sub(r"\[(\d+)\]", r".\1", full_key)
+
+
 def _doc(root, full_key: str) -> str:
-    parent, _, name = full_key.replace("[", ".").replace("]", "").rpartition(".")
+    parent, _, name = dotted(full_key).rpartition(".")
     cls = schema_at(root, parent)
     found = [f for f in dataclasses.fields(cls) if f.name == name] if cls else []
     return f" ({found[0].metadata['doc']})" if found else ""
@@ -74,7 +83,7 @@ def _walk_lists(cls, data, path: str, root):
     if not isinstance(data, dict):
         return
     for name, tp in _field_types(cls).items():
-        value, element = data.get(name), _list_element(tp)
+        value, element = data.get(name), list_element(tp)
         if dataclasses.is_dataclass(tp):
             _walk_lists(tp, value, f"{path}{name}.", root)
         elif element is not None and dataclasses.is_dataclass(element) and isinstance(value, list):
@@ -123,6 +132,10 @@ def in_unit(v):  # [0, 1)
     return v is not None and 0 <= v < 1
 
 
+# (test, allowed) of a guidance interval, training's (train.eval) and sample.py's
+GUIDANCE_INTERVAL = (lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
+                     "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi")
+
 # (key, test, allowed, fix): single-key ranges of the training config
 RANGES = [
     ("global_seed", at_least(0), ">= 0", ""),
@@ -159,8 +172,7 @@ RANGES = [
      "a non-empty list of scales >= 0 or null (1 and null: unguided)", "e.g. train.eval.cfg_scales=[null,1.5]"),
     ("train.eval.path_drop_scales", lambda v: all(s is not None and s >= 0 for s in v),
      "a list of path-drop guidance scales >= 0 (empty: none)", "e.g. train.eval.path_drop_scales=[1.5]"),
-    ("train.eval.guidance_interval", lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
-     "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi", "e.g. train.eval.guidance_interval=[0.3,2.9]"),
+    ("train.eval.guidance_interval", *GUIDANCE_INTERVAL, "e.g. train.eval.guidance_interval=[0.3,2.9]"),
     ("dataset.quantize", lambda v: v in S.QUANTIZE, f"one of {', '.join(S.QUANTIZE)}", "e.g. dataset.quantize=truncate"),
     ("diffuser.name", lambda v: v in S.DIFFUSER_NAMES, f"one of {', '.join(S.DIFFUSER_NAMES)}", "e.g. diffuser=edm"),
     ("diffuser.P_std", lambda v: v > 0, "> 0", "e.g. diffuser.P_std=1.2"),
@@ -171,12 +183,6 @@ RANGES = [
     ("repa.block", at_least(0), "a block index >= 0 (the tokens after that block are aligned)", "e.g. repa.block=3"),
     ("repa.encoder", lambda v: v in S.REPA_ENCODERS, f"one of {', '.join(S.REPA_ENCODERS)}",
      "e.g. repa.encoder=dinov2_vitb14"),
-    ("model.params.init", lambda v: v in S.MODEL_INITS, f"one of {', '.join(S.MODEL_INITS)}",
-     "e.g. model.params.init=official"),
-    ("model.params.cond_mode", lambda v: v == "adaln", "adaln (the only conditioning implemented)",
-     "remove the override"),
-    ("model.params.learn_sigma", lambda v: v is False, "false (a learned variance is not implemented)",
-     "remove the override"),
 ]
 for _name in ("num_classes", "in_channels", "input_size"):
     RANGES.append((f"model.params.{_name}", at_least(1), "at least 1", f"set dataset.{_name}"))
@@ -263,9 +269,11 @@ def check_train_config(cfg, world_size: int = 1):
     for key, ok, allowed, fix in RANGES:
         check(merged, key, ok, allowed, fix)
     if merged.dataset.kind != "shards":
-        for name in sorted(set(data["dataset"]) & set(S.SHARDS_ONLY)):
-            raise refuse(f"dataset.{name}", data["dataset"][name], f"left out: it applies to dataset.kind=shards "
-                         f"only, this is {merged.dataset.kind}", "remove the override")
+        defaults = OmegaConf.structured(S.DatasetSchema)
+        for name in S.SHARDS_ONLY:
+            if merged.dataset[name] != defaults[name]:
+                raise refuse(f"dataset.{name}", merged.dataset[name], f"left at its default {defaults[name]} (it "
+                             f"applies to dataset.kind=shards only, this is {merged.dataset.kind})", "remove the override")
     check_sampler(merged, "train.eval.sampler")
     check_cross(merged, world_size)
     check_paths(merged)
@@ -297,13 +305,25 @@ def check_sample_config(cfg):
     """sample.py's options (configs/sample.yaml); its command checks the rest (seeds, paths, checkpoint)."""
     merged = conform(S.SampleSchema, resolved(cfg))
     check_sampler(merged, "sampler")
+    check(merged, "guidance_interval", *GUIDANCE_INTERVAL, "e.g. guidance_interval=[0.3,5]")
+    for key, example in (("weak_ratio", 0.7), ("strong_ratio", 0.3)):
+        check(merged, f"routing_guidance.{key}", in_unit, "in [0, 1) (the fraction of tokens that skip the routes)",
+              f"e.g. routing_guidance.{key}={example}")
     return merged
 
 
-def hydra_error_line(e) -> str:
-    """One line for an error Hydra raises while composing (a bad override, an unknown group option)."""
-    cause = e if isinstance(e, (ConfigKeyError, ConfigAttributeError)) else e.__cause__
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
-        return str(unknown_key(S.ConfigSchema, str(cause.full_key)))
+def hydra_error_line(e, root=S.ConfigSchema) -> str:
+    """One line for an error Hydra raises while composing (a bad override, an unknown group option, a value
+    of the wrong type for the schema)."""
+    cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
+    full_key = dotted(str(getattr(cause, "full_key", None) or ""))
+    override = re.search(r"override '?([\w.]+)", str(e))
+    if full_key and override and not (full_key.startswith(override[1]) or override[1].startswith(full_key)):  # inside a list given whole: its key
+        full_key = f"{override[1]}.{full_key}"
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and full_key:
+        return str(unknown_key(root, full_key))
+    if isinstance(cause, ValidationError) and full_key:
+        reason = str(getattr(cause, "msg", cause)).splitlines()[0]
+        return f"{full_key}: {reason}{_doc(root, full_key)}"
     text = str(e).split("Config search path")[0]
     return "configuration: " + " ".join(line.strip() for line in text.splitlines() if line.strip())

@@ -1,14 +1,21 @@
 """The typed schema of every config key: configs/config.yaml with its groups (model, diffuser, dataset;
 sweep presets only set hydra.* and keys named here) and configs/sample.yaml. One place that says what each
-key is; `training.config_check` merges a composed config into it (types, unknown keys) and then applies
-the value rules. The YAML files stay the defaults users read: a key the YAML always sets has no default
-here (MISSING), a key it may leave out has its default here (None = "decided elsewhere", see its text).
+key is (its `doc`, from which docs/configuration.md is written by `python -m tools.config_doc`).
 
-Light on purpose (dataclasses and omegaconf only): a bad config is refused before torch is imported.
+The schema is the base the YAML files extend: importing this module stores it in Hydra's ConfigStore
+(`base_config`, `base_sample`, and the group bases `model/base_model`, `diffuser/base_diffuser`), and the
+YAML defaults lists name them, so composition itself refuses an unknown key or a wrong type and fills the
+defaults here (a route's, for one). The YAML files stay the defaults users read: a key the YAML always sets
+has no default here (MISSING), a key it may leave out has its default here (None = "decided elsewhere",
+see its text). `training.config_check` then applies the value and cross-field rules.
+
+Light on purpose (dataclasses, omegaconf and Hydra's ConfigStore): a bad config is refused before torch
+is imported.
 """
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, List, Optional
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -24,14 +31,12 @@ def key(doc: str, default=MISSING, factory=None):
 DIFFUSER_NAMES = ("edm", "rf")                       # training.diffuser.DIFFUSERS
 DATASET_KINDS = ("digits", "shards")                 # data.DATASETS
 SAMPLER_NAMES = ("ablation", "edm", "euler", "flow", "heun")  # generation.SAMPLERS
-SELECTIONS = ("random", "importance")                # routing_module.SELECTIONS
 # dataset.kind -> feature dimension of the in-training FID scorer (digits classifier, Inception pool_3):
 # the covariance of fewer samples than this is singular and the FID meaningless.
 SCORER_FEATURE_DIMS = {"digits": 128, "shards": 2048}
 MIXED_PRECISION = ("no", "bf16", "fp16")
 SHARDS_ONLY = ("train_path", "scale_factor", "random_flip", "posterior_sampling", "quantize", "vae")  # dataset keys
 QUANTIZE = ("truncate", "round")                     # data.vae.QUANTIZE
-MODEL_INITS = ("official", "adaln_zero")
 INIT_FROM_WEIGHTS = ("model_and_ema", "ema")  # training.loop.init_weights
 REPA_ENCODERS = ("dinov2_vitb14", "digits_classifier")  # training.repa_teachers.TEACHERS
 
@@ -68,7 +73,7 @@ class ModelParamsSchema:
     in_channels: int = key("latent channels")
     input_size: int = key("latent height = width")
     enable_routing: bool = key("routing during training")
-    routes: List[RouteSchema] = key("routes, in order, without overlap", factory=list)
+    routes: List[RouteSchema] = key("routes, in order, without overlap")
     depth: Optional[int] = key("override the backbone's number of blocks (null: the registry's)", None)
     hidden_size: Optional[int] = key("override the backbone's width", None)
     num_heads: Optional[int] = key("override the backbone's attention heads", None)
@@ -78,9 +83,9 @@ class ModelParamsSchema:
     fp32_after_route: Optional[bool] = key("route bookkeeping in fp32 under mixed precision (true)", None)
     grad_checkpointing: Optional[bool] = key("recompute block activations in the backward pass (false)", None)
     block_type: Optional[str] = key("attention or ssm (the registry's)", None)
-    init: str = key("weight initialisation: official or adaln_zero", "official")
-    cond_mode: str = key("conditioning: adaln (the only one)", "adaln")
-    learn_sigma: bool = key("predict the variance too (not supported: false)", False)
+    init: str = key("weight initialisation: official (the authors' xavier) or adaln_zero (DiT's)")
+    cond_mode: str = key("conditioning: adaln (the only one)")
+    learn_sigma: bool = key("predict the variance too (not supported: false)")
 
 
 @dataclass
@@ -106,7 +111,7 @@ class DatasetSchema:
     input_size: int = key("latent height = width")
     num_classes: int = key("number of classes")
     backbone_type: str = key("the backbone that suits it (model.backbone_type's default)")
-    train_path: Optional[str] = key("shards: folder of .tar shards or .latents.npy/.labels.npy pairs", None)
+    train_path: Optional[str] = key("shards (required): folder of .tar shards or .latents.npy/.labels.npy pairs", None)
     scale_factor: Optional[float] = key("shards: latent scale (null: from the manifest, or measured)", None)
     random_flip: bool = key("shards: a random horizontal flip per read (stored flip pairs or the latent)", False)
     posterior_sampling: bool = key("shards: draw from stored posterior moments (false: their mean)", False)
@@ -144,7 +149,7 @@ class GeneralSchema:
     batch_size: int = key("global batch, divisible by processes x grad_accum_steps")
     class_drop_prob: float = key("label -> null class, for classifier-free guidance, in [0, 1)")
     num_workers: int = key("data loader workers per process, >= 0")
-    grad_accum_steps: int = key("micro-batches per optimizer step, >= 1", 1)
+    grad_accum_steps: int = key("micro-batches per optimizer step, >= 1")
 
 
 @dataclass
@@ -154,7 +159,7 @@ class OptimizerSchema:
     eps: float = key("AdamW epsilon, > 0")
     weight_decay: float = key("AdamW weight decay, >= 0")
     grad_clip: Optional[float] = key("max gradient norm, > 0 (null: none)")
-    warmup_steps: int = key("linear learning-rate warm-up over this many steps, >= 0 (0: none, the authors')", 0)
+    warmup_steps: int = key("linear learning-rate warm-up over this many steps, >= 0 (0: none, the authors')")
 
 
 @dataclass
@@ -186,13 +191,11 @@ class EvalSchema:
     all_metrics: bool = key("also IS, sFID, precision, recall")
     ref_batch: Optional[str] = key("latents: ADM reference batch .npz (required when evaluating)")
     inception_weights: Optional[str] = key("Inception weights file (null: $TREAD_INCEPTION_WEIGHTS / cache)")
-    cfg_scales: List[Optional[float]] = key("guidance scales to evaluate, each >= 0 (1 or null: unguided)",
-                                            factory=lambda: [None])
-    path_drop_scales: List[float] = key("SPRINT path-drop guidance scales to evaluate, each >= 0 (sprint routes)",
-                                        factory=list)
+    cfg_scales: List[Optional[float]] = key("guidance scales to evaluate, each >= 0 (1 or null: unguided)")
+    path_drop_scales: List[float] = key("SPRINT path-drop guidance scales to evaluate, each >= 0 (sprint routes)")
     guidance_interval: Optional[List[float]] = key("[sigma_lo, sigma_hi]: guidance only inside (null: everywhere)",
                                                    None)
-    fp32: bool = key("evaluate in fp32 whatever train.mixed_precision", False)
+    fp32: bool = key("evaluate in fp32 whatever train.mixed_precision")
 
 
 @dataclass
@@ -203,7 +206,7 @@ class TrainSchema:
     compile: bool = key("torch.compile the backbone")
     tf32: bool = key("TF32 matmuls/convolutions on CUDA")
     cpu_threads: Any = key("CPU runs: torch threads per process, >= 1, or auto (cores / local processes)")
-    dist_timeout_minutes: int = key("timeout of collective operations between processes, > 0", 60)
+    dist_timeout_minutes: int = key("timeout of collective operations between processes, > 0")
     routing_off_after: Optional[int] = key("routing off from this training step on, >= 0 (null: never)", None)
     general: GeneralSchema = key("batch and data", factory=GeneralSchema)
     optimizer: OptimizerSchema = key("AdamW", factory=OptimizerSchema)
@@ -275,3 +278,15 @@ class SampleSchema:
     routing_guidance: RoutingGuidanceSchema = key("TREAD routing guidance", factory=RoutingGuidanceSchema)
     path_drop_guidance: PathDropGuidanceSchema = key("SPRINT path-drop guidance (sprint routes)",
                                                      factory=PathDropGuidanceSchema)
+
+
+def register():
+    """The schema as Hydra's base configs (the names the YAML defaults lists give)."""
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=ConfigSchema)
+    store.store(name="base_sample", node=SampleSchema)
+    store.store(group="model", name="base_model", node=ModelSchema)
+    store.store(group="diffuser", name="base_diffuser", node=DiffuserSchema)
+
+
+register()

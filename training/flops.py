@@ -65,7 +65,7 @@ def tokens_per_block(depth: int, num_tokens: int, routes, routing: bool = True, 
 
 
 def architecture(backbone_type: str, params: dict) -> dict:
-    arch = {**DiT_models[backbone_type], **{k: v for k, v in params.items() if k in
+    arch = {**DiT_models[backbone_type], **{k: v for k, v in params.items() if v is not None and k in
                                            ("depth", "hidden_size", "num_heads", "mlp_ratio", "patch_size",
                                             "block_type")}}
     arch.setdefault("mlp_ratio", 4.0)
@@ -88,7 +88,7 @@ def fp32_blocks(backbone_type: str, params: dict) -> list:
     """The blocks that run in float32 under autocast: the one right after each route ends, when
     `fp32_after_route` is on (the authors' default)."""
     depth = architecture(backbone_type, params)["depth"]
-    if not params.get("fp32_after_route", True):
+    if params.get("fp32_after_route") is False:  # null: DiT's default, true
         return []
     return [r.end_layer_idx + 1 for r in resolve_routes(params.get("routes"), depth) if r.end_layer_idx + 1 < depth]
 

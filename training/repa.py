@@ -121,10 +121,7 @@ def build_repa(repa_cfg, model: nn.Module, net: nn.Module, loss_fn, load_teacher
     """(net, loss_fn, projector): unchanged with (net, loss_fn, None) when repa.enabled is false."""
     if not repa_cfg.enabled:
         return net, loss_fn, None
-    depth = len(model.blocks)
-    if not 0 <= repa_cfg.block < depth:
-        raise UserError(f"repa.block={repa_cfg.block} is outside a model of depth {depth}: it must be in "
-                        f"0..{depth - 1}, e.g. repa.block={depth // 3}")
+    assert 0 <= repa_cfg.block < len(model.blocks), "repa.block (training.config_check.check_repa)"
     teacher = build_teacher(repa_cfg.encoder, repa_cfg.get("encoder_weights"), load=load_teacher)
     hidden = model.pos_embed.shape[-1]
     projector = build_projector(hidden, repa_cfg.projector_dim, teacher.dim)
