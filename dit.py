@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from timm.layers import Mlp, PatchEmbed
 from torch.utils.checkpoint import checkpoint
 
-from backbones.adaln import modulate
+from backbones import modulate
 from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
 from routing_module import TokenRouter, resolve_routes
