@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from timm.layers import Mlp, PatchEmbed
 from torch.utils.checkpoint import checkpoint
 
-from backbones.adaln import modulate
+from backbones import modulate
 from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
 from routing_module import TokenRouter, resolve_routes
@@ -195,8 +195,9 @@ class DiT(nn.Module):
             y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
         x = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y)
-        x = self.router(self.blocks, x, c, force_routing_ratio, routing_seed, self._run_block, force_keep,
-                        self.fusions, drop_deep_path, repa_tap)
+        x = self.router(self.blocks, x, c, force_ratio=force_routing_ratio, seed=routing_seed,
+                        run_block=self._run_block, force_keep=force_keep, fusions=self.fusions,
+                        drop_deep_path=drop_deep_path, tap=repa_tap)
         return self.unpatchify(self.final_layer(x, c))
 
 

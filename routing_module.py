@@ -235,6 +235,10 @@ def end_route(x_kept: torch.Tensor, x_full: torch.Tensor, keep_idx: torch.Tensor
     return x_full.to(x_kept.dtype).scatter(1, _expand(keep_idx, x_full.shape[-1]), x_kept)
 
 
+def _call_block(block, x, c):
+    return block(x, c)
+
+
 def _autocast_on(device_type: str) -> bool:
     return device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type)
 
@@ -279,48 +283,59 @@ class TokenRouter(nn.Module):
         on = self.training and self.enable_routing
         return [ratio if on else 0.0 for ratio in self._step_ratios]
 
+    def _plan(self, force_ratio: Optional[float], fusions) -> list:
+        """(route, ratio, fusion or None) for each route this call runs: ratio > 0, or a fusion, which ends its
+        route even when no token is dropped."""
+        plan = []
+        for k, (route, ratio) in enumerate(zip(self.routes, self.active_ratios(force_ratio))):
+            fusion = fusions[str(k)] if fusions is not None and str(k) in fusions else None
+            if ratio > 0 or fusion is not None:
+                plan.append((route, ratio, fusion))
+        return plan
+
     def forward(self, blocks: Sequence[nn.Module], x, c, force_ratio: Optional[float] = None,
                 seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None,
                 fusions: Optional[nn.ModuleDict] = None, drop_deep_path: bool = False, tap=None):
-        """`run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing).
-        `fusions`: route index (str) -> SprintFusion for the routes with `fusion: sprint`, which end in it
-        even when no token is dropped; `drop_deep_path` skips their blocks (mask tokens instead).
-        `tap` (training.repa.Tap): receives the tokens after block `tap.block` and, inside a route, the kept
-        indices (before the route ends: a route's last block still holds only its kept tokens)."""
-        run_block = run_block or (lambda block, x, c: block(x, c))
-        fusions = fusions if fusions is not None else {}
-        ratios = self.active_ratios(force_ratio)
-        starts = {r.start_layer_idx: (r, ratio, fusions[str(k)] if str(k) in fusions else None)
-                  for k, (r, ratio) in enumerate(zip(self.routes, ratios)) if ratio > 0 or str(k) in fusions}
+        """Each route: select the kept tokens, run the route's blocks on them, restore the full sequence.
+
+        `run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing).
+        `fusions`: route index (str) -> the module that restores that route instead of `end_route`, called as
+        `fusion(x_deep, x_route_input, keep_idx)` (SPRINT's, backbones/sprint.py); `drop_deep_path` skips the
+        blocks of those routes and calls `fusion(None, x_route_input, keep_idx, drop_all=True)`.
+        `tap`: an object with a `block` index, called as `tap(hidden, keep_idx)` after that block (REPA's,
+        training/repa.py); inside a route `hidden` holds the kept tokens only and keep_idx their positions."""
+        if run_block is None:
+            run_block = _call_block
+        plan = self._plan(force_ratio, fusions)
         generator = None
-        if seed is not None and starts:
+        if seed is not None and plan:
             generator = torch.Generator(device=x.device).manual_seed(int(seed))
-        route, fusion, x_full, keep_idx, after_route = None, None, None, None, False
-        for i, block in enumerate(blocks):
-            if i in starts:
-                route, ratio, fusion = starts[i]
-                x_full, keep_idx = x, None
-                if ratio > 0:
-                    keep_idx = select_kept_tokens(x, ratio, generator, route.selection, route.importance_mix,
-                                                  force_keep)
-                    x = start_route(x, keep_idx)
-            skip = drop_deep_path and fusion is not None  # the deep path's output is all mask tokens
-            if skip:
-                pass
-            elif after_route and self.fp32_after_route and _autocast_on(x.device.type):
+        done, fp32_block = 0, None
+        for route, ratio, fusion in plan:
+            first, last = route.start_layer_idx, route.end_layer_idx
+            x = self._run_blocks(blocks, done, first, x, c, run_block, tap, None, fp32_block)
+            x_route, keep_idx = x, None
+            if ratio > 0:  # select
+                keep_idx = select_kept_tokens(x, ratio, generator, route.selection, route.importance_mix, force_keep)
+                x = start_route(x, keep_idx)
+            if drop_deep_path and fusion is not None:  # path-drop guidance's weak branch: mask tokens only
+                x = fusion(None, x_route, keep_idx, drop_all=True)
+            else:  # run, restore
+                x = self._run_blocks(blocks, first, last + 1, x, c, run_block, tap, keep_idx, fp32_block)
+                x = end_route(x, x_route, keep_idx) if fusion is None else fusion(x, x_route, keep_idx)
+            done = last + 1
+            fp32_block = done if keep_idx is not None else None
+        return self._run_blocks(blocks, done, len(blocks), x, c, run_block, tap, None, fp32_block)
+
+    def _run_blocks(self, blocks, first: int, stop: int, x, c, run_block, tap, keep_idx, fp32_block):
+        """Blocks first..stop-1. Block `fp32_block` follows a route that dropped tokens: with fp32_after_route it
+        runs outside autocast, as the official code does, since it sees tokens from two depths at once."""
+        for i in range(first, stop):
+            if i == fp32_block and self.fp32_after_route and _autocast_on(x.device.type):
                 with torch.autocast(device_type=x.device.type, enabled=False):
-                    x = run_block(block, x.float(), c.float())
-                after_route = False
+                    x = run_block(blocks[i], x.float(), c.float())
             else:
-                x = run_block(block, x, c)
-                after_route = False
+                x = run_block(blocks[i], x, c)
             if tap is not None and i == tap.block:
-                tap.hidden, tap.keep_idx = x, keep_idx
-            if route is not None and i == route.end_layer_idx:
-                if fusion is not None:
-                    x = fusion(None if skip else x, x_full, keep_idx, drop_all=skip)
-                else:
-                    x = end_route(x, x_full, keep_idx)
-                after_route = keep_idx is not None
-                route, fusion, x_full, keep_idx = None, None, None, None
+                tap(x, keep_idx)
         return x

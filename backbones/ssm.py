@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Mlp
 
-from backbones.adaln import modulate
+from backbones import modulate
 
 
 class BidirectionalSSM(nn.Module):

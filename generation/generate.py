@@ -6,6 +6,7 @@ evaluation share.
     images, labels = generate(net, range(5000), sampler_kwargs={"name": "edm", "num_steps": 40},
                               decoder=decoder_for(cfg["dataset"]), batch_size=64, device=device,
                               accelerator=accelerator)
+    save_samples_npz("samples.npz", images, labels)              # on the main process
 
 Reproducibility: every sample owns a generator seeded by its seed (`StackedRandomGenerator`); its initial
 noise, its random class label and its churn noise come from that generator alone. A seed's latents and
@@ -17,6 +18,8 @@ gives the same batches (hence bit-identical samples) for any number of processes
 """
 import contextlib
 import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -29,6 +32,7 @@ from edm.sampler import StackedRandomGenerator, bind_sampler
 from rectified_flow import flow_sampler
 from tread_utils.distributed import gather_to_main
 from tread_utils.errors import UserError
+from tread_utils.files import atomic_write
 
 DEFAULT_SAMPLER = {"name": "edm", "num_steps": 40}  # the paper's in-training evaluation: Heun, 40 steps
 # sampler.name -> function: EDM's samplers, and Euler/Heun on the velocity ODE for diffuser=rf runs
@@ -188,15 +192,37 @@ def _seed_routing(net, seed: int):
         net = getattr(net, "net", None)
 
 
+@dataclass
+class Samples:
+    """What `generate` returns on every process: the rows this process holds, images uint8 [n, H, W, 3] and
+    labels int64 [n], and their positions in `seeds`, indices int64 [n]. Unpacks as `images, labels`."""
+    images: np.ndarray
+    labels: np.ndarray
+    indices: np.ndarray
+
+    def __iter__(self):
+        return iter((self.images, self.labels))
+
+
+def _no_samples() -> Samples:
+    return Samples(np.zeros((0, 0, 0, 3), dtype=np.uint8), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+def save_samples_npz(path, images: np.ndarray, labels: np.ndarray) -> Path:
+    """The ADM batch layout, written atomically: arr_0 uint8 [N, H, W, 3], arr_1 int64 [N]."""
+    images = np.asarray(images, dtype=np.uint8)
+    labels = np.asarray(labels, dtype=np.int64)
+    return atomic_write(Path(path), lambda f: np.savez(f, arr_0=images, arr_1=labels))
+
+
 @torch.no_grad()
 def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = None, decoder, batch_size: int = 64,
              num_classes: Optional[int] = None, device=None, accelerator=None, class_labels=None,
-             progress: bool = True, latent_shape=None, gather: bool = True):
-    """Sample one image per seed; return (images uint8 numpy [N, H, W, 3], labels int64 numpy [N]) in the
-    order of `seeds` on the main process, and (None, None) on the others.
+             progress: bool = True, latent_shape=None, gather: bool = True) -> Samples:
+    """Sample one image per seed. Returns `Samples`: gathered, every row in the order of `seeds` on the main
+    process and none on the others.
 
-    gather=False: nothing is sent to the main process; every rank returns its own share (images [n, H, W, 3],
-    labels [n], indices [n] int64 = the rows' positions in `seeds`), e.g. for
+    gather=False: nothing is sent to the main process; every rank returns its own share, e.g. for
     `evaluations.distributed_features.compute_features_distributed` (a rank with no batch: n = 0).
 
     net:            a sampler net (`EDMPrecond`, possibly wrapped by `build_guided_net`); run in eval mode
@@ -274,9 +300,11 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
                 all_labels[lo:lo + len(labels)] = labels
                 bar.update(len(labels))
     bar.close()
-    if not gather:
-        if not own:
-            return np.zeros((0, 0, 0, 3), dtype=np.uint8), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        indices = np.concatenate([np.arange(lo, lo + len(labels)) for lo, _, labels in own])
-        return np.concatenate([o[1] for o in own]), np.concatenate([o[2] for o in own]), indices
-    return (all_images, all_labels) if rank == 0 else (None, None)
+    if gather:
+        if rank != 0 or all_images is None:
+            return _no_samples()
+        return Samples(all_images, all_labels, np.arange(len(seeds), dtype=np.int64))
+    if not own:
+        return _no_samples()
+    indices = np.concatenate([np.arange(lo, lo + len(labels)) for lo, _, labels in own])
+    return Samples(np.concatenate([o[1] for o in own]), np.concatenate([o[2] for o in own]), indices)

@@ -91,8 +91,8 @@ def _check(feats, images):
 
 def test_one_process_gives_compute_features_in_seed_order():
     images, labels = _sample(None, gather=True)
-    share, share_labels, indices = _sample(None, gather=False)
-    assert np.array_equal(indices, np.arange(11)) and np.array_equal(share, images)
+    share = _sample(None, gather=False)
+    assert np.array_equal(share.indices, np.arange(11)) and np.array_equal(share.images, images)
     order = np.random.default_rng(1).permutation(11)  # a share in any row order comes back in seed order
     _check(compute_features_distributed(Extractor(), images[order], indices=order, batch_size=3,
                                         stats_keys=("spatial",)), images)
@@ -104,17 +104,21 @@ def _rank(rank, store, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     accelerator = types.SimpleNamespace(num_processes=2, process_index=rank, device=torch.device("cpu"))
-    images, _, indices = _sample(accelerator, gather=False)
+    share = _sample(accelerator, gather=False)
+    images, indices = share.images, share.indices
     feats = compute_features_distributed(Extractor(), images, accelerator, indices=indices, batch_size=3,
                                          stats_keys=("spatial",))
-    full = compute_features_distributed(Extractor(), _sample(None, gather=True)[0], accelerator, batch_size=3,
+    full = compute_features_distributed(Extractor(), _sample(None, gather=True).images, accelerator, batch_size=3,
                                         stats_keys=("spatial",))
     gathered, _ = gather_rows({"images": images}, indices, 2, rank)  # the images too, e.g. for a sample grid
+    main = _sample(accelerator, gather=True)  # every row on rank 0, none on rank 1
     if rank == 0:
+        assert np.array_equal(main.images, gathered["images"]) and np.array_equal(main.indices, np.arange(11))
         np.savez(out, pool=feats["pool"], mu=feats["spatial_stats"][0], sigma=feats["spatial_stats"][1],
                  full_pool=full["pool"], images=gathered["images"])
     else:
         assert feats is None and full is None and gathered is None
+        assert len(main.images) == len(main.labels) == len(main.indices) == 0
     dist.destroy_process_group()
 
 
@@ -127,7 +131,7 @@ def test_two_processes_give_the_one_process_features(tmp_path):
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
     got = np.load(tmp_path / "out.npz")
-    images = _sample(None, gather=True)[0]
+    images = _sample(None, gather=True).images
     feats = {"pool": got["pool"], "spatial_stats": (got["mu"], got["sigma"])}
     _check(feats, images)
     np.testing.assert_allclose(got["full_pool"], feats["pool"], rtol=1e-5, atol=1e-6)

@@ -204,6 +204,9 @@ class TrainSchema:
     ckpt_every: int = key("checkpoint interval, >= 1 (also at the end and on SIGTERM/SIGINT)")
     mixed_precision: str = key("no | bf16 | fp16 (accelerate)")
     compile: bool = key("torch.compile the backbone")
+    compile_dynamic: Optional[bool] = key("compiled shapes: null (torch's default: static, dynamic once a shape "
+                                          "changes), true (dynamic from the start), false (static: one graph per "
+                                          "shape)", None)
     tf32: bool = key("TF32 matmuls/convolutions on CUDA")
     cpu_threads: Any = key("CPU runs: torch threads per process, >= 1, or auto (cores / local processes)")
     dist_timeout_minutes: int = key("timeout of collective operations between processes, > 0")

@@ -100,14 +100,13 @@ class TrainingEvaluator:
             guided = build_guided_net(net, options, class_drop_prob=self.class_drop_prob)
             precision = contextlib.nullcontext() if self.fp32 else self.accelerator.autocast()
             with precision:
-                share, share_labels, rows = generate(guided, self.seeds, sampler_kwargs=self.sampler_kwargs,
-                                                     decoder=self.decoder, batch_size=self.batch_size,
-                                                     accelerator=self.accelerator, progress=False, gather=False)
+                share = generate(guided, self.seeds, sampler_kwargs=self.sampler_kwargs, decoder=self.decoder,
+                                 batch_size=self.batch_size, accelerator=self.accelerator, progress=False, gather=False)
             keys = ("pool", "spatial", "logits") if self.all_metrics else ("pool",)
-            feats = compute_features_distributed(self.extractor, share, self.accelerator, indices=rows,
+            feats = compute_features_distributed(self.extractor, share.images, self.accelerator, indices=share.indices,
                                                  batch_size=256, keys=keys, stats_keys=("spatial",))
             world, rank = self.accelerator.num_processes, self.accelerator.process_index
-            whole, _ = gather_rows({"images": share, "labels": share_labels}, rows, world, rank)
+            whole, _ = gather_rows({"images": share.images, "labels": share.labels}, share.indices, world, rank)
             if self.accelerator.is_main_process:
                 images, labels = whole["images"], whole["labels"]
                 scores = self.score(feats, images, labels)

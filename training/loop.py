@@ -173,7 +173,7 @@ def setup(cfg: DictConfig) -> Run:
 
     # Distribute.
     if cfg.train.compile:
-        denoiser.model = torch.compile(model)
+        denoiser.model = torch.compile(model, dynamic=cfg.train.get("compile_dynamic"))
     net, optimizer = accelerator.prepare(net, optimizer)
     if state is not None and state.get("scaler") and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(state["scaler"])

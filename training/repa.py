@@ -29,12 +29,16 @@ from tread_utils.errors import UserError
 
 
 class Tap:
-    """Filled during one forward pass: the tokens after block `block` [B, K, C] and their positions [B, K]
-    (None: all tokens), then `projected`, the projector's output. A plain object, so DDP passes it through."""
+    """Filled during one forward pass: the router calls it after block `block` with the tokens [B, K, C] and
+    their positions [B, K] (None: all tokens); then `projected`, the projector's output. A plain object, so DDP
+    passes it through."""
 
     def __init__(self, block: int):
         self.block = block
         self.hidden = self.keep_idx = self.projected = None
+
+    def __call__(self, hidden: torch.Tensor, keep_idx):
+        self.hidden, self.keep_idx = hidden, keep_idx
 
 
 def build_projector(hidden_size: int, projector_dim: int, teacher_dim: int) -> nn.Sequential:
