@@ -4,7 +4,7 @@
 #     bash scripts/compile_check.sh 2.11.0
 #
 # Makes a throwaway virtual environment in a temporary folder with torch==VERSION, sees the current
-# environment's other packages through a .pth file (its own torch comes first), runs the tests marked below
+# environment's other packages through a .pth file (its own torch comes first), runs the tests listed below
 # with PYTHONPATH at this checkout, prints which passed and the graph and break counts, and deletes the
 # folder. Run it from the project's environment (`python` on PATH, or PYTHON=...). A GPU is not needed: the
 # tests trace with dynamo (explain, and the eager backend) on the CPU.
@@ -47,5 +47,9 @@ for name, (graphs, breaks, reason) in graph_counts().items():
 PY
 status=0
 "${run[@]}" -m pytest -p no:cacheprovider -q -rA "${tests[@]}" > "$tmp/pytest.log" 2>&1 || status=$?
-grep -E "^(PASSED|FAILED|ERROR) |^E  +(AssertionError|assert)| passed| failed| error" "$tmp/pytest.log" || cat "$tmp/pytest.log"
+if ! grep -E "^(PASSED|FAILED|ERROR) |^E  +(AssertionError|assert)" "$tmp/pytest.log"; then
+    cat "$tmp/pytest.log"
+fi
+echo "torch $version: $(grep -c '^PASSED ' "$tmp/pytest.log") passed, $(grep -c '^FAILED ' "$tmp/pytest.log") failed," \
+     "$(grep -c '^ERROR ' "$tmp/pytest.log") errors"
 exit "$status"
