@@ -1,3 +1,12 @@
 """Block families beside DiT's attention block (`dit.py` builds every model and holds the registry):
 `ssm` (diffusion state-space blocks, "DiS") and `adaln`, the conditioning arithmetic they share; `sprint`,
-the fusion module (mask token, 2C -> C projection) of a route with `fusion: sprint`."""
+the fusion module (mask token, 2C -> C projection) of a route with `fusion: sprint`; `diffusers_tread`,
+TREAD routes on diffusers transformers (`from backbones import apply_tread`)."""
+
+
+def __getattr__(name):
+    # Deferred: routing_module imports backbones.sprint, and diffusers_tread imports routing_module.
+    if name == "apply_tread":
+        from backbones.diffusers_tread import apply_tread
+        return apply_tread
+    raise AttributeError(f"module 'backbones' has no attribute {name!r}")
