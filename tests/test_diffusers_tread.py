@@ -335,3 +335,19 @@ def test_applied_twice_and_controlnet_residuals_are_refused():
         run(model, dict(inputs, controlnet_block_samples=[torch.zeros(B, 24, 16)]))
     handle.remove()
     assert functools.reduce(lambda a, m: a and not m._forward_hooks, model.modules(), True)
+
+
+def test_ddp_without_find_unused_parameters_trains_routed_steps(tmp_path):
+    """One gloo process: DDP's reducer stops at the next step if a parameter got no gradient in the last one."""
+    import torch.distributed as dist
+
+    model, inputs, _ = build("flux")
+    apply_tread(model, ROUTE)
+    model.train()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
+        for _ in range(3):
+            ddp(**inputs)[0].square().mean().backward()
+    finally:
+        dist.destroy_process_group()
