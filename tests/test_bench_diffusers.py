@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("diffusers")
 from tools import bench_diffusers  # noqa: E402
@@ -10,7 +11,7 @@ from tools import bench_diffusers  # noqa: E402
 def test_bench_writes_a_record_and_table(tmp_path):
     out = tmp_path / "bench.json"
     bench_diffusers.main(["--width", "64", "--depth", "4", "--tokens-side", "4", "--batch-size", "2", "--rounds", "1",
-                          "--steps", "1", "--out", str(out)])
+                          "--steps", "1", "--threads", str(torch.get_num_threads()), "--out", str(out)])
     record = json.loads(out.read_text())
     assert [r["arch"] for r in record["rows"]] == ["flux", "sd3"]
     for row in record["rows"]:

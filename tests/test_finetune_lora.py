@@ -3,6 +3,7 @@ architecture and on a tiny random checkpoint folder given as --pretrained."""
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 from tools import finetune_lora  # noqa: E402
@@ -10,7 +11,7 @@ from tools.diffusers_toy import random_flux  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 FAST = ["--steps", "3", "--batch-size", "2", "--log-every", "1", "--time-rounds", "1", "--time-steps", "1",
-        "--eval-samples", "8"]
+        "--eval-samples", "8", "--threads", str(torch.get_num_threads())]  # keep the session's threads
 
 
 def logged(path):

@@ -50,7 +50,7 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--archs", nargs="+", choices=("flux", "sd3"), default=("flux", "sd3"))
     p.add_argument("--width", type=int, default=256)
@@ -61,7 +61,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2, help="steps per timed block")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared CPU)")
     p.add_argument("--out", default=None, help="JSON record (a .md table beside it)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     rows = []

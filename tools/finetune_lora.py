@@ -83,7 +83,7 @@ def eval_loss(transformer, latents, text, pooled) -> float:
     return loss
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8)
@@ -100,7 +100,11 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the log to this file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.resolution % 2:
         raise UserError("--steps and --batch-size must be positive and --resolution even")
     torch.set_num_threads(args.threads)
