@@ -67,6 +67,8 @@ def reference_forward(name, model, inputs, keep, start, end):
         step = dict(kw, hidden_states=x)
         if start <= i <= end and rope_key:
             step[rope_key] = gather_rope_by_hand(name, kw, keep)
+        if start <= i <= end and name == "wan" and kw["temb"].ndim == 4:  # Wan 2.2's per-token timestep
+            step["temb"] = torch.stack([kw["temb"][b, keep[b]] for b in range(keep.shape[0])])
         out = blocks[i](**step)
         if isinstance(out, tuple):
             if out[0] is not None:
@@ -103,9 +105,11 @@ def test_off_ratio_zero_eval_no_grad_and_remove_are_bit_identical(name):
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_routed_forward_matches_hand_built_reference(name):
+@pytest.mark.parametrize("name,per_token_t", [*((n, False) for n in FAMILIES), ("wan", True)])
+def test_routed_forward_matches_hand_built_reference(name, per_token_t):
     model, inputs, _ = build(name)
+    if per_token_t:  # Wan 2.2 TI2V: one timestep per token, a per-token embedding in every block
+        inputs["timestep"] = torch.randint(0, 1000, (B, 16))
     handle = apply_tread(model, ROUTE)
     blocks = blocks_of(name, model)
     last, hook = capture_image_output(name, blocks[-1])
