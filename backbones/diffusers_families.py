@@ -15,6 +15,9 @@ families holds image (or video) tokens only; text travels in `encoder_hidden_sta
   attention applies it without a batch dimension; so one selection is shared by the batch and the table
   passed to a routed block is the text rows followed by the kept image tokens' rows, each token keeping
   its own angles.
+- AuraFlow (`joint_transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): no RoPE (learned
+  positions added at the input); per sample. Its single-stream blocks take [register tokens, text, image] as one
+  `hidden_states`: only the image part (after the leading register and text tokens) is routed there.
 - Wan (`blocks`): 3-D RoPE `(cos, sin)` [1, N, 1, head_dim] (frames x rows x columns, so a single frame
   is the F=1 case of the same table); it broadcasts over the batch, so the selection is per sample and each
   sample's kept rows are gathered to [B, K, 1, head_dim]. A per-token timestep embedding (Wan 2.2 TI2V,
@@ -83,6 +86,15 @@ def _flux_grid(transformer, kw: dict) -> Tuple[int, ...]:
     return (int(ids[:, 1].unique().numel()), int(ids[:, 2].unique().numel()))
 
 
+def _no_lead(transformer, kw: dict) -> dict:
+    return {}
+
+
+def _auraflow_lead(transformer, kw: dict) -> dict:
+    """AuraFlow's single-stream blocks get [register tokens, text, image] in one tensor."""
+    return {"single_transformer_blocks": transformer.register_tokens.shape[1] + kw["encoder_hidden_states"].shape[1]}
+
+
 @dataclass(frozen=True)
 class Family:
     block_lists: Tuple[str, ...]   # the transformer's block lists, in route-index order
@@ -91,12 +103,14 @@ class Family:
     narrow: Callable               # (block kwargs, keep [B, K]) -> None: other per-token inputs, cut in place
     grid: Callable                 # (transformer, forward kwargs) -> the image's token grid
     refused: Tuple[str, ...] = ()  # forward arguments that add per-block residuals of the full length
+    lead: Callable = _no_lead      # (transformer, forward kwargs) -> {block list: text tokens before the image}
+    tensor_lists: Tuple[str, ...] = ()  # block lists whose output is the tensor itself, whatever out_index says
 
-    def image(self, output):
-        return output if self.out_index is None else output[self.out_index]
+    def image(self, output, kind: str):
+        return output if self.out_index is None or kind in self.tensor_lists else output[self.out_index]
 
-    def with_image(self, output, image: torch.Tensor):
-        if self.out_index is None:
+    def with_image(self, output, kind: str, image: torch.Tensor):
+        if self.out_index is None or kind in self.tensor_lists:
             return image
         return tuple(image if i == self.out_index else part for i, part in enumerate(output))
 
@@ -109,6 +123,9 @@ FAMILIES = {
     "FluxTransformer2DModel": Family(("transformer_blocks", "single_transformer_blocks"), True, 1, _flux_narrow,
                                      _flux_grid, ("controlnet_block_samples", "controlnet_single_block_samples")),
     "WanTransformer3DModel": Family(("blocks",), False, None, _wan_narrow, _latent_grid("patch_size", 3)),
+    "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), False, 1,
+                                         _no_narrow, _latent_grid("patch_size", 2), lead=_auraflow_lead,
+                                         tensor_lists=("single_transformer_blocks",)),
 }
 
 

@@ -9,7 +9,7 @@
 takes a subset of the image tokens out before block `start_layer_idx` and puts them back, unchanged, after
 block `end_layer_idx` (inclusive); negative indices count from the last block (-1 = the last). The routes are
 checked by `routing_module.resolve_routes`, the validation of `model.params.routes`, against the number of
-blocks (for FLUX, dual-stream plus single-stream: backbones/diffusers_families.py says how they are numbered).
+blocks (for FLUX and AuraFlow, both block lists: backbones/diffusers_families.py says how they are numbered).
 
 The kept tokens are chosen by `routing_module.select_kept_tokens` (selection "random" or "importance"),
 with the mask (below) as its `force_keep`; routing runs only while the transformer is in training mode and
@@ -116,8 +116,9 @@ class TreadHandle:
         self.mask: Optional[torch.Tensor] = None
         self.last_keep: dict = {}
         self._on, self._force_keep, self._pending_mask, self._grid, self._live = False, None, None, None, {}
+        self._lead: dict = {}  # block list -> leading text tokens in its hidden_states (this forward)
         self._signatures: dict = {}
-        blocks = [block for name in family.block_lists for block in getattr(transformer, name)]
+        blocks = [(name, block) for name in family.block_lists for block in getattr(transformer, name)]
         self.depth = len(blocks)
         self._hooks = [transformer.register_forward_pre_hook(self._before_model, with_kwargs=True),
                        transformer.register_forward_hook(self._after_model)]
@@ -125,9 +126,11 @@ class TreadHandle:
             if route.selection_ratio == 0:
                 continue
             for i in range(route.start_layer_idx, route.end_layer_idx + 1):
-                self._hooks.append(blocks[i].register_forward_pre_hook(
-                    self._pre_hook(k, i == route.start_layer_idx), with_kwargs=True))
-            self._hooks.append(blocks[route.end_layer_idx].register_forward_hook(self._post_hook(k)))
+                kind, block = blocks[i]
+                self._hooks.append(block.register_forward_pre_hook(
+                    self._pre_hook(k, kind, i == route.start_layer_idx), with_kwargs=True))
+            kind, block = blocks[route.end_layer_idx]
+            self._hooks.append(block.register_forward_hook(self._post_hook(k, kind)))
         transformer._tread_handle = self
 
     # -- the model-level hooks -------------------------------------------------------------------------
@@ -151,7 +154,7 @@ class TreadHandle:
             if kw.get(name) is not None:
                 raise UserError(f"TREAD cannot route a {type(module).__name__} forward given {name}; train "
                                 f"without it, or call handle.remove() first")
-        self._grid = self.family.grid(module, kw)
+        self._grid, self._lead = self.family.grid(module, kw), self.family.lead(module, kw)
         self._pending_mask = mask
         return args, kwargs
 
@@ -181,17 +184,23 @@ class TreadHandle:
                                   None if force_keep is None else force_keep.any(0, keepdim=True))
         return keep.expand(x.shape[0], -1)
 
-    def _pre_hook(self, k: int, is_start: bool):
+    def _lead_of(self, kind: str, record: Optional[dict]) -> int:
+        """Text tokens before the image in this block's hidden_states; a recomputation reads its forward's."""
+        lead = self._lead.get(kind, 0)
+        return lead if record is None else record.setdefault("lead", lead)
+
+    def _pre_hook(self, k: int, kind: str, is_start: bool):
         route = self.routes[k]
 
         def hook(module, args, kwargs):
             record = _RECORD.get()
+            lead = self._lead_of(kind, record)
             if record is not None and "ctx" in record:  # backward recomputes a checkpointed block
                 ctx = record["ctx"]
             elif not self._on:
                 ctx = None
             elif is_start:
-                x = _as_kwargs(self._signature(module), args, kwargs)["hidden_states"]
+                x = _as_kwargs(self._signature(module), args, kwargs)["hidden_states"][:, lead:]
                 ctx = (self._select(route, x), x)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
             else:
@@ -200,23 +209,26 @@ class TreadHandle:
                 record["ctx"] = ctx
             if ctx is None:
                 return None
-            keep, x_full = ctx
+            keep = ctx[0]
             kw = _as_kwargs(self._signature(module), args, kwargs)
             if is_start:
-                kw["hidden_states"] = start_route(kw["hidden_states"], keep)
+                x = kw["hidden_states"]
+                kw["hidden_states"] = _join(x[:, :lead], start_route(x[:, lead:], keep))
             self.family.narrow(kw, keep)
             return (), kw
         return hook
 
-    def _post_hook(self, k: int):
+    def _post_hook(self, k: int, kind: str):
         def hook(module, args, output):
             record = _RECORD.get()
+            lead = self._lead_of(kind, record)
             ctx = record.get("ctx") if record is not None else (self._live.get(k) if self._on else None)
             self._live.pop(k, None)
             if ctx is None:
                 return None
             keep, x_full = ctx
-            return self.family.with_image(output, end_route(self.family.image(output), x_full, keep))
+            out = self.family.image(output, kind)
+            return self.family.with_image(output, kind, _join(out[:, :lead], end_route(out[:, lead:], x_full, keep)))
         return hook
 
     def remove(self) -> None:
@@ -230,6 +242,11 @@ class TreadHandle:
         if getattr(self.transformer, "_tread_handle", None) is self:
             del self.transformer._tread_handle
         self._live, self.last_keep, self.mask = {}, {}, None
+
+
+def _join(lead: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    """Leading text tokens (AuraFlow's single-stream blocks; none elsewhere) before the image tokens."""
+    return image if lead.shape[1] == 0 else torch.cat([lead, image], 1)
 
 
 def _replaying(checkpoint_func):
@@ -250,7 +267,7 @@ def _replaying(checkpoint_func):
 
 
 def apply_tread(transformer, routes, *, selection: str = "random", importance_mix: float = 0.0) -> TreadHandle:
-    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX or Wan transformer; returns the handle."""
+    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, Wan or AuraFlow transformer; returns the handle."""
     check_diffusers_version()
     family = family_of(transformer)
     if getattr(transformer, "_tread_handle", None) is not None:

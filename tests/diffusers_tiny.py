@@ -52,9 +52,22 @@ def wan(frames=1):
     return model, inputs, (frames, 4, 4)
 
 
-FAMILIES = {"flux": flux, "sd3": sd3, "pixart": pixart, "wan": wan}
+def auraflow():
+    from diffusers import AuraFlowTransformer2DModel
+
+    model = AuraFlowTransformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2,
+                                       num_single_dit_layers=2, attention_head_dim=8, num_attention_heads=2,
+                                       joint_attention_dim=16, caption_projection_dim=16, out_channels=4,
+                                       pos_embed_max_size=16)
+    inputs = dict(hidden_states=torch.randn(B, 4, 8, 8), encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.rand(B) * 1000, return_dict=False)
+    return model, inputs, (4, 4)
+
+
+FAMILIES = {"flux": flux, "sd3": sd3, "pixart": pixart, "wan": wan, "auraflow": auraflow}
 BLOCK_LISTS = {"flux": ("transformer_blocks", "single_transformer_blocks"), "sd3": ("transformer_blocks",),
-               "pixart": ("transformer_blocks",), "wan": ("blocks",)}
+               "pixart": ("transformer_blocks",), "wan": ("blocks",),
+               "auraflow": ("joint_transformer_blocks", "single_transformer_blocks")}
 
 
 def build(name, seed=0, **kw):

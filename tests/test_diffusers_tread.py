@@ -12,7 +12,7 @@ from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
 from diffusers_tiny import B, blocks_of, build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "sd3", "pixart", "wan")
+FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
@@ -36,7 +36,7 @@ def capture_image_output(name, block):
     seen = {}
 
     def hook(module, args, output):
-        seen["x"] = output if name in ("pixart", "wan") else output[1]
+        seen["x"] = output if isinstance(output, torch.Tensor) else output[1]
     return seen, block.register_forward_hook(hook)
 
 
@@ -53,17 +53,25 @@ def gather_rope_by_hand(name, kw, keep):
 
 def reference_forward(name, model, inputs, keep, start, end):
     """Run the blocks from `start` by hand: gather the kept image tokens (and their RoPE rows) before
-    `start`, scatter them back after `end`; returns the last block's image tokens."""
+    `start`, scatter them back after `end`; returns the last block's output tokens (AuraFlow: text, then image)."""
     blocks = blocks_of(name, model)
+    joint = len(model.joint_transformer_blocks) if name == "auraflow" else len(blocks)
     seen, handle = capture_inputs(blocks[start])
     with torch.no_grad():
         run(model, inputs)  # an unrouted pass (the model is in eval mode) gives the inputs of block `start`
     handle.remove()
-    kw, x_full = dict(seen), seen["hidden_states"]
+    kw, lead = dict(seen), 0
+    if start >= joint:  # AuraFlow's single-stream blocks: [register tokens + text, image] in one tensor
+        lead = model.register_tokens.shape[1] + inputs["encoder_hidden_states"].shape[1]
+    x_full = seen["hidden_states"][:, lead:]
     rows = torch.arange(keep.shape[0])[:, None]
     rope_key = {"flux": "image_rotary_emb", "wan": "rotary_emb"}.get(name)
-    x = x_full[rows, keep]
+    x = torch.cat([seen["hidden_states"][:, :lead], x_full[rows, keep]], 1)
     for i in range(start, len(blocks)):
+        if i == joint and i > start:  # the model joins text and image before its single-stream blocks
+            lead = kw["encoder_hidden_states"].shape[1]
+            x = torch.cat([kw["encoder_hidden_states"], x], 1)
+            kw = {"temb": kw["temb"]}
         step = dict(kw, hidden_states=x)
         if start <= i <= end and rope_key:
             step[rope_key] = gather_rope_by_hand(name, kw, keep)
@@ -77,8 +85,8 @@ def reference_forward(name, model, inputs, keep, start, end):
         x = out
         if i == end:
             full = x_full.clone()
-            full[rows, keep] = x
-            x = full
+            full[rows, keep] = x[:, lead:]
+            x = torch.cat([x[:, :lead], full], 1)
     return x
 
 
@@ -105,12 +113,16 @@ def test_off_ratio_zero_eval_no_grad_and_remove_are_bit_identical(name):
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("name,per_token_t", [*((n, False) for n in FAMILIES), ("wan", True)])
-def test_routed_forward_matches_hand_built_reference(name, per_token_t):
+SINGLE_STREAM_ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -2}]}
+
+
+@pytest.mark.parametrize("name,per_token_t,route", [*((n, False, ROUTE) for n in FAMILIES), ("wan", True, ROUTE),
+                                                    ("auraflow", False, SINGLE_STREAM_ROUTE)])
+def test_routed_forward_matches_hand_built_reference(name, per_token_t, route):
     model, inputs, _ = build(name)
     if per_token_t:  # Wan 2.2 TI2V: one timestep per token, a per-token embedding in every block
         inputs["timestep"] = torch.randint(0, 1000, (B, 16))
-    handle = apply_tread(model, ROUTE)
+    handle = apply_tread(model, route)
     blocks = blocks_of(name, model)
     last, hook = capture_image_output(name, blocks[-1])
     model.train()
@@ -118,15 +130,16 @@ def test_routed_forward_matches_hand_built_reference(name, per_token_t):
     hook.remove()
     keep = handle.last_keep[0]
     start, end = handle.routes[0].start_layer_idx, handle.routes[0].end_layer_idx
-    assert (start, end) == (1, len(blocks) - 2)
-    assert keep.shape == (B, 8 if name != "flux" else 12)
+    spec = route["routes"][0]
+    assert (start, end) == (spec["start_layer_idx"] % len(blocks), spec["end_layer_idx"] % len(blocks))
+    assert keep.shape == (B, 24 // 2 if name == "flux" else 16 // 2)
     model.eval()
     with torch.no_grad():
         ref = reference_forward(name, model, inputs, keep, start, end)
         torch.testing.assert_close(last["x"], ref, rtol=1e-5, atol=1e-5)
         # the unrouted last block differs: the check can tell routed from unrouted
-        assert not torch.allclose(reference_forward(name, model, inputs, torch.arange(ref.shape[1]).expand(B, -1),
-                                                    start, end), ref, atol=1e-4)
+        every = torch.arange(24 if name == "flux" else 16).expand(B, -1)
+        assert not torch.allclose(reference_forward(name, model, inputs, every, start, end), ref, atol=1e-4)
 
 
 def rope_tables_seen(name, model):
