@@ -1,0 +1,370 @@
+"""TREAD on diffusers transformers (backbones/diffusers_tread.py): one set of checks per family, on tiny
+random models built offline, each routed forward compared with a reference gathered and scattered here."""
+import functools
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+from backbones import apply_tread  # noqa: E402
+from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
+from diffusers_tiny import B, blocks_of, build  # noqa: E402
+from tread_utils.errors import UserError  # noqa: E402
+
+FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow")
+ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
+
+
+def run(model, inputs):
+    return model(**inputs)[0]
+
+
+def bound(module, args, kwargs) -> dict:
+    sig = inspect.signature(module.forward).bind(*args, **kwargs)
+    return dict(sig.arguments)
+
+
+def capture_inputs(module):
+    """A hook that keeps the (bound) keyword inputs of `module`'s latest call."""
+    seen = {}
+    handle = module.register_forward_pre_hook(lambda m, a, k: seen.update(bound(m, a, k)), with_kwargs=True)
+    return seen, handle
+
+
+def capture_image_output(name, block):
+    seen = {}
+
+    def hook(module, args, output):
+        seen["x"] = output if isinstance(output, torch.Tensor) else output[1]
+    return seen, block.register_forward_hook(hook)
+
+
+def gather_rope_by_hand(name, kw, keep):
+    """The RoPE entries of the kept tokens, written out per sample (text rows first for FLUX)."""
+    if name == "flux":
+        assert all(torch.equal(keep[0], k) for k in keep), "FLUX shares one selection across the batch"
+        text = kw["encoder_hidden_states"].shape[1]
+        return tuple(torch.cat([t[:text], t[text:][keep[0]]]) for t in kw["image_rotary_emb"])
+    if name == "wan":
+        return tuple(torch.stack([t[0, keep[b]] for b in range(keep.shape[0])]) for t in kw["rotary_emb"])
+    return None
+
+
+def reference_forward(name, model, inputs, keep, start, end):
+    """Run the blocks from `start` by hand: gather the kept image tokens (and their RoPE rows) before
+    `start`, scatter them back after `end`; returns the last block's output tokens (AuraFlow: text, then image)."""
+    blocks = blocks_of(name, model)
+    joint = len(model.joint_transformer_blocks) if name == "auraflow" else len(blocks)
+    seen, handle = capture_inputs(blocks[start])
+    with torch.no_grad():
+        run(model, inputs)  # an unrouted pass (the model is in eval mode) gives the inputs of block `start`
+    handle.remove()
+    kw, lead = dict(seen), 0
+    if start >= joint:  # AuraFlow's single-stream blocks: [register tokens + text, image] in one tensor
+        lead = model.register_tokens.shape[1] + inputs["encoder_hidden_states"].shape[1]
+    x_full = seen["hidden_states"][:, lead:]
+    rows = torch.arange(keep.shape[0])[:, None]
+    rope_key = {"flux": "image_rotary_emb", "wan": "rotary_emb"}.get(name)
+    x = torch.cat([seen["hidden_states"][:, :lead], x_full[rows, keep]], 1)
+    for i in range(start, len(blocks)):
+        if i == joint and i > start:  # the model joins text and image before its single-stream blocks
+            lead = kw["encoder_hidden_states"].shape[1]
+            x = torch.cat([kw["encoder_hidden_states"], x], 1)
+            kw = {"temb": kw["temb"]}
+        step = dict(kw, hidden_states=x)
+        if start <= i <= end and rope_key:
+            step[rope_key] = gather_rope_by_hand(name, kw, keep)
+        if start <= i <= end and name == "wan" and kw["temb"].ndim == 4:  # Wan 2.2's per-token timestep
+            step["temb"] = torch.stack([kw["temb"][b, keep[b]] for b in range(keep.shape[0])])
+        out = blocks[i](**step)
+        if isinstance(out, tuple):
+            if out[0] is not None:
+                kw["encoder_hidden_states"] = out[0]
+            out = out[1]
+        x = out
+        if i == end:
+            full = x_full.clone()
+            full[rows, keep] = x[:, lead:]
+            x = torch.cat([x[:, :lead], full], 1)
+    return x
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_off_ratio_zero_eval_no_grad_and_remove_are_bit_identical(name):
+    model, inputs, _ = build(name)
+    model.train()
+    base = run(model, inputs)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": 2}]})
+    assert torch.equal(run(model, inputs), base)
+    handle.remove()
+    handle = apply_tread(model, ROUTE)
+    assert not torch.equal(run(model, inputs), base)  # routing is on in training
+    with torch.no_grad():
+        assert torch.equal(run(model, inputs), base)
+    model.eval()
+    assert torch.equal(run(model, inputs), base)
+    model.train()
+    handle.remove()
+    assert torch.equal(run(model, inputs), base)
+    assert not hasattr(model, "_tread_handle")
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+SINGLE_STREAM_ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -2}]}
+
+
+@pytest.mark.parametrize("name,per_token_t,route", [*((n, False, ROUTE) for n in FAMILIES), ("wan", True, ROUTE),
+                                                    ("auraflow", False, SINGLE_STREAM_ROUTE)])
+def test_routed_forward_matches_hand_built_reference(name, per_token_t, route):
+    model, inputs, _ = build(name)
+    if per_token_t:  # Wan 2.2 TI2V: one timestep per token, a per-token embedding in every block
+        inputs["timestep"] = torch.randint(0, 1000, (B, 16))
+    handle = apply_tread(model, route)
+    blocks = blocks_of(name, model)
+    last, hook = capture_image_output(name, blocks[-1])
+    model.train()
+    run(model, inputs)
+    hook.remove()
+    keep = handle.last_keep[0]
+    start, end = handle.routes[0].start_layer_idx, handle.routes[0].end_layer_idx
+    spec = route["routes"][0]
+    assert (start, end) == (spec["start_layer_idx"] % len(blocks), spec["end_layer_idx"] % len(blocks))
+    assert keep.shape == (B, 24 // 2 if name == "flux" else 16 // 2)
+    model.eval()
+    with torch.no_grad():
+        ref = reference_forward(name, model, inputs, keep, start, end)
+        torch.testing.assert_close(last["x"], ref, rtol=1e-5, atol=1e-5)
+        # the unrouted last block differs: the check can tell routed from unrouted
+        every = torch.arange(24 if name == "flux" else 16).expand(B, -1)
+        assert not torch.allclose(reference_forward(name, model, inputs, every, start, end), ref, atol=1e-4)
+
+
+def rope_tables_seen(name, model):
+    """Hooks on every block's self-attention that keep the RoPE table it is given, per block."""
+    seen, hooks = {}, []
+    for i, block in enumerate(blocks_of(name, model)):
+        attn = block.attn if name == "flux" else block.attn1
+
+        def hook(module, args, kwargs, i=i):
+            seen[i] = kwargs["image_rotary_emb"] if name == "flux" else args[3]
+        hooks.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
+    return seen, hooks
+
+
+def angles_match(name, table, full, keep, text):
+    """Each kept token's rotary angles in a routed block equal those of its original position."""
+    if name == "flux":
+        return torch.equal(table[:text], full[:text]) and torch.equal(table[text:], full[text:][keep[0]])
+    return all(torch.equal(table[b, :, 0], full[0, keep[b], 0]) for b in range(keep.shape[0]))
+
+
+@pytest.mark.parametrize("name,frames", [("flux", None), ("wan", 1), ("wan", 3)])
+def test_rope_each_kept_token_keeps_its_angles(name, frames):
+    model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
+    seen, hooks = rope_tables_seen(name, model)
+    model.eval()
+    with torch.no_grad():
+        run(model, inputs)
+    full = {i: cos_sin for i, cos_sin in seen.items()}
+    handle = apply_tread(model, ROUTE)
+    model.train()
+    run(model, inputs)
+    keep, r = handle.last_keep[0], handle.routes[0]
+    text = inputs["encoder_hidden_states"].shape[1]
+    shuffled = keep[:, torch.randperm(keep.shape[1])]
+    for i, (cos, sin) in seen.items():
+        if r.start_layer_idx <= i <= r.end_layer_idx:
+            assert angles_match(name, cos, full[i][0], keep, text) and angles_match(name, sin, full[i][1], keep, text)
+            assert not angles_match(name, cos, full[i][0], shuffled, text)
+        else:
+            assert torch.equal(cos, full[i][0])
+    for hook in hooks:
+        hook.remove()
+
+
+def input_grads(name, model, inputs):
+    x = inputs["hidden_states"].clone().requires_grad_(True)
+    run(model, dict(inputs, hidden_states=x)).square().mean().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_token_and_parameter_gets_a_gradient(name):
+    model, inputs, _ = build(name)
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.7, "start_layer_idx": 0, "end_layer_idx": -1}]})
+    model.train()
+    grad = input_grads(name, model, inputs)
+    per_position = grad.abs().sum(-1 if name == "flux" else 1)  # per token (FLUX) or per latent pixel
+    assert (per_position > 0).all()
+    assert handle.last_keep[0].shape[1] < per_position.flatten(1).shape[1]  # tokens were dropped
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused, f"parameters without a gradient (DDP would stop): {unused}"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_only_adapters_train(name):
+    from peft import LoraConfig
+
+    model, inputs, _ = build(name)
+    config = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v"])
+    if hasattr(model, "add_adapter"):
+        model.add_adapter(config)
+    else:  # PixArt has no PeftAdapterMixin: peft's own injection, base weights frozen by hand
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(config, model)
+        for n, p in model.named_parameters():
+            p.requires_grad_("lora_" in n)
+    apply_tread(model, ROUTE)
+    base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.1)
+    run(model, inputs).square().mean().backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+    assert grads == {n for n, p in model.named_parameters() if p.requires_grad}
+    opt.step()
+    assert all(torch.equal(v, base[k]) for k, v in model.state_dict().items() if "lora_" not in k)
+
+
+def _checkpoint_fresh_rng(module, *args):
+    """A checkpoint that does not restore the RNG: a recomputation that drew new tokens would show."""
+    return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("checkpoint_func", [None, _checkpoint_fresh_rng], ids=["diffusers", "fresh_rng"])
+def test_gradient_checkpointing_gives_the_same_gradients(name, checkpoint_func):
+    model, inputs, _ = build(name)
+    handle = apply_tread(model, ROUTE)
+    model.train()
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        g = input_grads(name, model, inputs)
+        return g, {n: p.grad.clone() for n, p in model.named_parameters()}, handle.last_keep[0]
+
+    g0, p0, k0 = grads()
+    model.enable_gradient_checkpointing(checkpoint_func)
+    g1, p1, k1 = grads()
+    assert torch.equal(k0, k1)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+    for n in p0:
+        torch.testing.assert_close(p1[n], p0[n], rtol=1e-5, atol=1e-6, msg=n)
+    handle.remove()
+    assert model._gradient_checkpointing_func is not None and not hasattr(model._gradient_checkpointing_func,
+                                                                          "_tread_original")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("how", ["handle", "forward"])
+def test_masked_tokens_are_never_dropped(name, how):
+    model, inputs, grid = build(name)
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.75, "start_layer_idx": 0, "end_layer_idx": 1}]})
+    image = (B, *[2 * g for g in grid]) if name != "wan" else (B, *grid[:1], *[2 * g for g in grid[1:]])
+    if name == "flux":
+        image = (B, *grid)  # FLUX's packed latents: one mask pixel per token
+    mask = torch.rand(image) < 0.15
+    model.train()
+    for _ in range(3):
+        if how == "handle":
+            handle.set_mask(mask)
+            run(model, inputs)
+        else:
+            run(model, dict(inputs, tread_mask=mask))
+        keep = handle.last_keep[0]
+        pooled = torch.nn.functional.adaptive_max_pool3d(mask[:, None].float(), (grid if len(grid) == 3 else (1, *grid)))
+        tokens = pooled.flatten(1).bool() if name != "flux" else mask.flatten(1)
+        kept = torch.zeros_like(tokens).scatter(1, keep, True)
+        assert tokens.any() and (kept | ~tokens).all()
+
+
+def test_masked_loss_weights_the_loss_by_the_mask():
+    loss = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
+    mask = torch.zeros(2, 8, 8, dtype=torch.bool)
+    mask[0, :4, :4] = True  # the top-left quarter of sample 0 only
+    assert masked_loss(loss, mask).item() == pytest.approx(loss[0, :, :2, :2].mean().item())
+    tokens = torch.rand(2, 5, 3)
+    token_mask = torch.tensor([[1, 0, 0, 0, 1], [0, 0, 1, 0, 0]], dtype=torch.bool)
+    assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_negative_indices_count_from_the_last_block(name):
+    model, inputs, _ = build(name)
+    blocks = blocks_of(name, model)
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -1}]})
+    lengths = {}
+    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: lengths.__setitem__(i, bound(m, a, k)["hidden_states"]
+                                                                                .shape[1]), with_kwargs=True)
+             for i, b in enumerate(blocks)]
+    model.train()
+    run(model, inputs)
+    n = max(lengths.values())
+    assert [lengths[i] < n for i in range(len(blocks))] == [False] * (len(blocks) - 2) + [True, True]
+    assert (handle.routes[0].start_layer_idx, handle.routes[0].end_layer_idx) == (len(blocks) - 2, len(blocks) - 1)
+    for hook in hooks:
+        hook.remove()
+
+
+@pytest.mark.parametrize("routes,match", [
+    (None, MISSING_ROUTES), ({}, MISSING_ROUTES), ({"routes": []}, MISSING_ROUTES), ([], MISSING_ROUTES),
+    ([{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 4}], "outside a model of depth 4"),
+    ([{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 1}], "comes after end block"),
+    ([{"selection_ratio": 1.0, "start_layer_idx": 0, "end_layer_idx": 1}], "selection_ratio must be in"),
+    ([{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 2},
+      {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 3}], "overlaps"),
+    ([{"selection_ratio": 0.5, "start_layer_idx": 0}], "needs integer start_layer_idx"),
+])
+def test_bad_routes_are_refused_in_one_line(routes, match):
+    model, _, _ = build("sd3")
+    with pytest.raises(UserError, match=match) as err:
+        apply_tread(model, routes)
+    assert "\n" not in str(err.value)
+    assert not model._forward_pre_hooks
+
+
+def test_unsupported_model_and_diffusers_version_are_refused(monkeypatch):
+    import diffusers
+
+    with pytest.raises(UserError, match="does not support Linear") as err:
+        apply_tread(torch.nn.Linear(2, 2), ROUTE)
+    assert "\n" not in str(err.value)
+    model, _, _ = build("pixart")
+    monkeypatch.setattr(diffusers, "__version__", "0.30.3")
+    with pytest.raises(UserError, match="tested on diffusers 0.42.*, found 0.30.3") as err:
+        apply_tread(model, ROUTE)
+    assert "\n" not in str(err.value)
+
+
+def test_applied_twice_and_controlnet_residuals_are_refused():
+    model, inputs, _ = build("flux")
+    handle = apply_tread(model, ROUTE)
+    with pytest.raises(UserError, match="already has TREAD routes"):
+        apply_tread(model, ROUTE)
+    model.train()
+    with pytest.raises(UserError, match="given controlnet_block_samples"):
+        run(model, dict(inputs, controlnet_block_samples=[torch.zeros(B, 24, 16)]))
+    handle.remove()
+    assert functools.reduce(lambda a, m: a and not m._forward_hooks, model.modules(), True)
+
+
+def test_ddp_without_find_unused_parameters_trains_routed_steps(tmp_path):
+    """One gloo process: DDP's reducer stops at the next step if a parameter got no gradient in the last one."""
+    import torch.distributed as dist
+
+    model, inputs, _ = build("flux")
+    apply_tread(model, ROUTE)
+    model.train()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
+        for _ in range(3):
+            ddp(**inputs)[0].square().mean().backward()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,133 @@
+"""Shared by tools/finetune_lora.py and tools/bench_diffusers.py: random FLUX- and SD3-architecture
+transformers, a tiny fixed text encoder, the flow-matching training step those models train with, and the
+timing / FLOP-bound measurement of a routed against an unrouted step."""
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from backbones.diffusers_tread import apply_tread
+
+CLASS_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+class FixedTextEncoder(nn.Module):
+    """Letters -> a frozen random embedding plus a sinusoidal position, one token per letter (names padded to
+    the longest); the pooled vector is the mean over the name's letters. Seeded: the same on every run."""
+
+    def __init__(self, dim: int, pooled_dim: int, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.length = max(map(len, CLASS_NAMES))
+        self.register_buffer("letters", torch.randn(27, dim, generator=g))  # row 0: padding
+        pos = torch.arange(self.length)[:, None] / 10000 ** (torch.arange(0, dim, 2) / dim)
+        self.register_buffer("position", torch.cat([pos.sin(), pos.cos()], 1)[:, :dim])
+        self.register_buffer("pool", torch.randn(dim, pooled_dim, generator=g) / dim ** 0.5)
+
+    @torch.no_grad()
+    def forward(self, labels: torch.Tensor):
+        """Text tokens [B, L, dim] and pooled [B, pooled_dim] for class labels [B]."""
+        codes = torch.zeros(len(CLASS_NAMES), self.length, dtype=torch.long)
+        for i, name in enumerate(CLASS_NAMES):
+            codes[i, :len(name)] = torch.tensor([ord(c) - 96 for c in name])
+        codes = codes.to(labels.device)[labels]
+        present = (codes > 0).float()[..., None]
+        tokens = (self.letters[codes] + self.position) * present
+        pooled = (tokens.sum(1) / present.sum(1)) @ self.pool
+        return tokens, pooled
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """FLUX's 2x2 packing: [B, C, H, W] -> [B, (H/2)(W/2), 4C], rows of tokens in row-major order."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def image_ids(h: int, w: int) -> torch.Tensor:
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None]
+    return ids.reshape(-1, 3)
+
+
+def random_flux(channels: int, width: int, heads: int, dual: int, single: int, text_dim: int, seed: int = 0):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    head_dim = width // heads
+    axes = (head_dim - 2 * (3 * head_dim // 8), 3 * head_dim // 8, 3 * head_dim // 8)
+    return FluxTransformer2DModel(patch_size=1, in_channels=channels * 4, num_layers=dual, num_single_layers=single,
+                                  attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=text_dim,
+                                  pooled_projection_dim=text_dim, axes_dims_rope=axes)
+
+
+def random_sd3(channels: int, width: int, heads: int, depth: int, text_dim: int, resolution: int, seed: int = 0):
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    return SD3Transformer2DModel(sample_size=resolution, patch_size=2, in_channels=channels, num_layers=depth,
+                                 attention_head_dim=width // heads, num_attention_heads=heads,
+                                 joint_attention_dim=text_dim, caption_projection_dim=width,
+                                 pooled_projection_dim=text_dim, out_channels=channels,
+                                 pos_embed_max_size=resolution // 2)
+
+
+def flow_matching_loss(model, latents: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """Rectified flow as FLUX and SD3 train: x_t = (1 - t) x0 + t noise with t from a logit-normal, the
+    model predicts the velocity noise - x0. FLUX takes packed tokens and t in [0, 1]; SD3 latents, t * 1000."""
+    b = latents.shape[0]
+    t = torch.sigmoid(torch.randn(b, device=latents.device))
+    noise = torch.randn_like(latents)
+    x_t = (1 - t.view(-1, *[1] * (latents.ndim - 1))) * latents + t.view(-1, *[1] * (latents.ndim - 1)) * noise
+    if type(model).__name__ == "FluxTransformer2DModel":
+        side = int(round(latents.shape[1] ** 0.5))
+        guidance = torch.ones(b, device=latents.device) if model.config.guidance_embeds else None  # FLUX.1-dev
+        pred = model(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t,
+                     guidance=guidance,
+                     img_ids=image_ids(side, latents.shape[1] // side).to(latents.device),
+                     txt_ids=torch.zeros(text.shape[1], 3, device=latents.device), return_dict=False)[0]
+    else:
+        pred = model(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000,
+                     return_dict=False)[0]
+    return (pred.float() - (noise - latents).float()).square().mean()
+
+
+def step_flops(model, batch) -> int:
+    """FLOPs of one training step's forward + backward (torch.utils.flop_counter), as the model routes now."""
+    with FlopCounterMode(display=False) as counter:
+        flow_matching_loss(model, *batch).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def routed_vs_unrouted(model, routes, batch_fn, optimizer, rounds: int = 5, steps: int = 3) -> dict:
+    """Median step time (forward, backward, optimizer step) routed and unrouted, alternating `rounds` blocks of
+    `steps` steps each so both see the same machine load, with the FLOP bound unrouted / routed."""
+    def one_step():
+        optimizer.zero_grad(set_to_none=True)
+        flow_matching_loss(model, *batch_fn()).backward()
+        optimizer.step()
+
+    model.train()
+    flops, times = {}, {True: [], False: []}
+    for routed in (False, True):
+        handle = apply_tread(model, routes) if routed else None
+        flops[routed] = step_flops(model, batch_fn())
+        one_step()  # warm-up
+        if handle:
+            handle.remove()
+    for _ in range(rounds):
+        for routed in (False, True):
+            handle = apply_tread(model, routes) if routed else None
+            for _ in range(steps):
+                start = time.perf_counter()
+                one_step()
+                times[routed].append(time.perf_counter() - start)
+            if handle:
+                handle.remove()
+    unrouted, routed = statistics.median(times[False]), statistics.median(times[True])
+    bound, speedup = flops[False] / flops[True], unrouted / routed
+    return dict(unrouted_step_s=unrouted, routed_step_s=routed, speedup=speedup, flops_unrouted=flops[False],
+                flops_routed=flops[True], flop_bound=bound, speedup_vs_bound=speedup / bound,
+                timed_steps_each=rounds * steps)
