@@ -16,6 +16,7 @@ if fewer); ``--random-init`` (tests only). Bad input: one ``error:`` line on std
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,8 @@ from evaluations.evaluator import inspect_reference, reference_from_npz, resolve
 from evaluations.features import compute_features, open_images
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
+from evaluations.reference_check import (check_reference_network, few_samples_warning, network_tag,
+                                          split_tag)
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.files import ArgumentParser, atomic_write, positive_int
 
@@ -39,10 +42,6 @@ def load_network(name: str, weights=None, device="auto", random_init: bool = Fal
             raise UserError("--random-init applies to --network inception only")
         return load_digits_classifier(weights, device=dev)
     return load_inception(weights, device=dev, random_init=random_init)
-
-
-def network_tag(name: str, random_init: bool) -> str:
-    return name + ("-random-init" if random_init else "")
 
 
 def image_features(source, extractor, batch_size: int, num_images: int | None, progress: bool) -> dict:
@@ -71,13 +70,16 @@ def write_reference(out, feats: dict, tag: str, save_features: bool = False) -> 
     return atomic_write(out, lambda f: np.savez(f, **arrays))
 
 
-def _check_network_tag(ref_path, tag: str):
-    with np.load(ref_path, allow_pickle=False) as npz:
-        if "feature_network" in npz.files:
-            stored = str(npz["feature_network"])
-            if stored != tag:
-                raise UserError(f"{ref_path} was made with --network {stored}, not {tag}; "
-                                f"use the same network for both")
+def _same_network(stored: str) -> str:
+    name, random_init = split_tag(stored)
+    return (f"run `fid.py calc` with --network {name}{' --random-init' if random_init else ''}, as `fid.py ref` was, "
+            f"or make the reference again with this network")
+
+
+def _warn_few(pool: np.ndarray, what: str):
+    warning = few_samples_warning(pool.shape[0], pool.shape[1], what)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
 def build_parser() -> ArgumentParser:
@@ -117,16 +119,18 @@ def main(argv=None):
     open_images(args.images, min_count=args.num_images)  # validate before building a network
     if args.command == "calc":
         inspect_reference(args.ref)
-        _check_network_tag(args.ref, tag)
+        check_reference_network(args.ref, tag, _same_network)
     extractor = load_network(args.network, args.weights, args.device, args.random_init)
     progress = not args.no_progress
     if args.command == "ref":
         feats = image_features(args.images, extractor, args.batch_size, args.num_images, progress)
+        _warn_few(feats["pool"], "reference images")
         out = write_reference(args.out, feats, tag, args.save_features)
         print(f"wrote {out} ({len(feats['pool'])} images, network {tag})")
         return
     ref = reference_from_npz(args.ref, extractor, args.batch_size, progress)
     feats = image_features(args.images, extractor, args.batch_size, args.num_images, progress)
+    _warn_few(feats["pool"], "images")
     mu, sigma = feature_statistics(feats["pool"])
     try:
         fid = frechet_distance(mu, sigma, ref["mu"], ref["sigma"])

@@ -103,6 +103,7 @@ def run(cfg) -> None:
     import torch
     import generation
     from data.decoders import decoder_for
+    from data.latent_vae import decoding_vae
     from evaluations.digits_classifier import class_accuracy
     from training import checkpoint as ckpt
     from tread_utils.distributed import start_processes
@@ -134,7 +135,8 @@ def run(cfg) -> None:
         raise UserError(f"class_labels={class_labels} is not a class of this model (0..{net.num_classes - 1})")
     drop_prob = run_cfg.get("train", {}).get("general", {}).get("class_drop_prob")
     guided = generation.build_guided_net(net, OmegaConf.to_container(cfg, resolve=True), class_drop_prob=drop_prob)
-    decoder = decoder_for(run_cfg.get("dataset", {}), vae=cfg.vae, device=accelerator.device)
+    vae, vae_note = decoding_vae(run_cfg.get("dataset", {}), given=cfg.vae, option="vae")  # the latents' own
+    decoder = decoder_for(run_cfg.get("dataset", {}), vae=vae, device=accelerator.device)
     main = accelerator.is_main_process
     if main:
         print(f"sampling {len(seeds)} images from {path} (step {state['step']}, EMA) with {accelerator.num_processes} "
@@ -142,6 +144,8 @@ def run(cfg) -> None:
               f"steps, cfg_scale {cfg.cfg_scale}, routing guidance "
               f"{'off' if cfg.routing_guidance.scale is None else cfg.routing_guidance.scale}, path-drop guidance "
               f"{'off' if cfg.path_drop_guidance.scale is None else cfg.path_drop_guidance.scale}", flush=True)
+        if vae_note:
+            print(vae_note, flush=True)
     step = state["step"]
     del state
     images, labels = generation.generate(guided, seeds, sampler_kwargs=sampler_kwargs, decoder=decoder,

@@ -45,6 +45,8 @@ import torch
 from evaluations.features import compute_features, npz_images, open_npz
 from evaluations.inception import InceptionV3FID, load_inception
 from evaluations.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
+from evaluations.reference_check import (check_reference_network, few_samples_warning, network_tag,
+                                          split_tag)
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.files import ArgumentParser, positive_int
 
@@ -284,6 +286,14 @@ def resolve_device(name: str):
     return device
 
 
+def _same_network(stored: str) -> str:
+    name, random_init = split_tag(stored)
+    if name != "inception":
+        return "make the reference with `fid.py ref --network inception` (the evaluator scores with Inception)"
+    return ("pass --random-init, as the reference was made with `fid.py ref --random-init`" if random_init else
+            "leave out --random-init: the reference was made with the real weights")
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(
         description="ADM evaluation (Inception Score, FID, sFID, precision, recall) of SAMPLE.npz against REF.npz.")
@@ -308,13 +318,18 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     # Validate both files before building a network.
     inspect_reference(args.ref_batch, InceptionV3FID.feature_dims)
-    inspect_samples(args.sample_batch, args.num_samples)
+    check_reference_network(args.ref_batch, network_tag("inception", args.random_init),
+                            _same_network)
+    samples = inspect_samples(args.sample_batch, args.num_samples)
     if args.backend == "tf":
         extractor = load_tf_extractor(args.tf_graph)
         device = None
     else:
         device = resolve_device(args.device)
         extractor = load_inception(args.weights, device=device, random_init=args.random_init)
+    warning = few_samples_warning(args.num_samples or len(samples), InceptionV3FID.feature_dims["pool"])
+    if warning:  # after every refusal: an error stays the only line
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     result = evaluate(args.ref_batch, args.sample_batch, extractor, batch_size=args.batch_size,
                       num_samples=args.num_samples, progress=not args.no_progress, device=device)
     for note in result["notes"]:

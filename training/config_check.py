@@ -229,12 +229,12 @@ def check_cross(cfg, world_size: int):
         raise refuse("train.general.batch_size", g.batch_size,
                      f"divisible by processes x train.general.grad_accum_steps = {world_size} x "
                      f"{g.grad_accum_steps} = {per_step}", f"e.g. train.general.batch_size={per_step * max(1, g.batch_size // per_step)}")
-    dims = S.SCORER_FEATURE_DIMS[cfg.dataset.kind]
+    dims = 2 if e.smoke else S.SCORER_FEATURE_DIMS[cfg.dataset.kind]  # smoke: warned at run time instead
     if e.eval_interval > 0 and e.fid_num_samples < dims:
         raise refuse("train.eval.fid_num_samples", e.fid_num_samples,
                      f"at least {dims}, the feature dimension of the {cfg.dataset.kind} FID scorer (fewer samples "
                      f"give a singular covariance)", f"e.g. train.eval.fid_num_samples={max(dims, 2 * dims)}, "
-                     f"or train.eval.eval_interval=0")
+                     f"or train.eval.eval_interval=0 (train.eval.smoke=true: an offline smoke run from 2 samples)")
     if e.eval_interval > 0 and g.class_drop_prob == 0 and any(s not in (None, 1) for s in e.cfg_scales):
         raise refuse("train.eval.cfg_scales", list(e.cfg_scales), "[null] when train.general.class_drop_prob=0 "
                      "(a model trained without class dropout has no unconditional mode)",
@@ -281,6 +281,9 @@ def check_train_config(cfg, world_size: int = 1):
 
     depth = dit.model_kwargs(data["model"]["backbone_type"], data["model"]["params"])["depth"]
     check_repa(merged, depth)
+    from training.eval_inputs import check_eval_inputs
+
+    check_eval_inputs(merged)  # the VAE, Inception weights and reference: found, not loaded
     return merged
 
 

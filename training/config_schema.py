@@ -196,6 +196,8 @@ class EvalSchema:
     guidance_interval: Optional[List[float]] = key("[sigma_lo, sigma_hi]: guidance only inside (null: everywhere)",
                                                    None)
     fp32: bool = key("evaluate in fp32 whatever train.mixed_precision")
+    smoke: bool = key("offline smoke test: random-init Inception (no weights), fid_num_samples from 2; the numbers "
+                      "mean nothing", False)
 
 
 @dataclass

@@ -23,14 +23,17 @@ import numpy as np
 import torch
 
 from data.decoders import decoder_for
+from data.latent_vae import decoding_vae
 from data.digits import load_digits_split
 from evaluations.digits_classifier import class_accuracy, digits_reference_statistics, load_digits_classifier
 from evaluations.evaluator import metrics_from_features, reference_from_npz
 from evaluations.distributed_features import compute_features_distributed
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
+from evaluations.reference_check import few_samples_warning
 from generation import build_guided_net, generate, save_image_grid
 from training.checkpoint import rng_untouched
+from training.eval_inputs import SMOKE_WARNING
 from training.run_log import format_metrics
 from tread_utils.distributed import gather_rows
 from tread_utils.errors import UserError
@@ -50,7 +53,8 @@ def inception_reference(cfg, extractor):
 SCORERS = {
     "digits": (lambda cfg, device: load_digits_classifier(device=device),
                lambda cfg, extractor: digits_reference_statistics(extractor)),
-    "shards": (lambda cfg, device: load_inception(weights=cfg.train.eval.inception_weights, device=device),
+    "shards": (lambda cfg, device: load_inception(weights=cfg.train.eval.inception_weights, device=device,
+                                                  random_init=bool(cfg.train.eval.get("smoke", False))),
                inception_reference),
 }
 
@@ -60,7 +64,7 @@ class TrainingEvaluator:
     def __init__(self, cfg, accelerator, run_dir):
         e = cfg.train.eval
         self.accelerator = accelerator
-        self.num_samples = int(e.fid_num_samples)  # at least the scorer's feature dimension (config_check)
+        self.num_samples = int(e.fid_num_samples)  # at least the scorer's feature dimension unless smoke (config_check)
         self.batch_size = int(e.batch_size)
         self.seeds = range(int(e.seed), int(e.seed) + self.num_samples)
         # typed and checked by training.config_check; build_guided_net refuses guidance without class dropout
@@ -80,11 +84,18 @@ class TrainingEvaluator:
         self.samples_dir = Path(run_dir) / "samples"
         self.last_grid = None  # the newest grid's path, for the run's closing summary
         device = accelerator.device
-        self.decoder = decoder_for(cfg.dataset, device=device)
+        vae, vae_note = decoding_vae(cfg.dataset)  # the latents' own VAE (manifest.json) unless dataset.vae
+        self.decoder = decoder_for(cfg.dataset, vae=vae, device=device)
         load_extractor, load_reference = SCORERS[cfg.dataset.kind]
         self.extractor = load_extractor(cfg, device)  # every process extracts the features of its own samples
         self.reference, self.memorisation = None, None
         if accelerator.is_main_process:  # only the main process scores
+            if vae_note:
+                print(vae_note, flush=True)
+            few = few_samples_warning(self.num_samples, self.extractor.feature_dims["pool"])
+            for warning in (SMOKE_WARNING if e.get("smoke") else None, few):
+                if warning:
+                    print(f"warning: {warning}", flush=True)
             self.reference = load_reference(cfg, self.extractor)
             if cfg.dataset.kind == "digits":
                 self.memorisation = [self.decoder.decode(load_digits_split(split, cfg.dataset.input_size)[0]).numpy()

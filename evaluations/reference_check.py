@@ -1,0 +1,47 @@
+"""Whether a FID is worth reading: the reference and the samples went through the same feature network, and
+there are more samples than feature dimensions. One set of rules for `fid.py calc`, the evaluator
+(evaluations/evaluator.py) and the in-training FID.
+
+`fid.py ref` tags its reference with the network that made it (`feature_network`: inception, digits, or
+inception-random-init); a reference without the tag (ADM's batches) is taken as made by Inception.
+With N samples of D-dimensional features the covariance has rank at most N - 1: for N <= D it is singular
+and the FID depends more on N than on the images (16 random-network samples give about 20).
+"""
+import numpy as np
+
+from tread_utils.errors import UserError
+
+TAG_KEY = "feature_network"
+RANDOM_SUFFIX = "-random-init"
+
+
+def network_tag(name: str, random_init: bool = False) -> str:
+    return name + (RANDOM_SUFFIX if random_init else "")
+
+
+def stored_tag(ref_path):
+    """The `feature_network` tag of a reference .npz, or None (untagged: ADM's files)."""
+    with np.load(ref_path, allow_pickle=False) as npz:
+        return str(npz[TAG_KEY]) if TAG_KEY in npz.files else None
+
+
+def split_tag(tag: str):
+    """(network name, random_init) of a tag."""
+    return (tag[:-len(RANDOM_SUFFIX)], True) if tag.endswith(RANDOM_SUFFIX) else (tag, False)
+
+
+def check_reference_network(ref_path, tag: str, fix):
+    """Refuse a reference tagged with another network than `tag`; `fix(stored tag)` (or a string) says how,
+    in the calling command's spelling."""
+    stored = stored_tag(ref_path)
+    if stored is not None and stored != tag:
+        raise UserError(f"{ref_path} was made with the feature network {stored}, but this scores with {tag}: "
+                        f"the FID would compare different features; {fix(stored) if callable(fix) else fix}")
+
+
+def few_samples_warning(count: int, dims: int, what: str = "samples"):
+    """A warning line when `count` feature vectors of `dims` dimensions give a singular covariance, else None."""
+    if count > dims:
+        return None
+    return (f"FID from {count} {what} with {dims}-dimensional features: the covariance is singular (rank at most "
+            f"{count - 1}), so the FID means little; use more than {dims} (ADM: 50,000 samples)")
