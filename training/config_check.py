@@ -144,6 +144,10 @@ RANGES = [
     ("lock_stale_minutes", lambda v: v > 0, "> 0 minutes", "e.g. lock_stale_minutes=60"),
     ("train.max_steps", at_least(1), "at least 1", "e.g. train.max_steps=400000"),
     ("train.ckpt_every", at_least(1), "at least 1 step", "e.g. train.ckpt_every=50000"),
+    ("train.keep_checkpoints.newest", lambda v: v is None or v >= 1, "null (keep all) or at least 1 (the newest "
+     "checkpoint is the one a resume reads)", "e.g. train.keep_checkpoints.newest=2"),
+    ("train.keep_checkpoints.every", lambda v: v is None or v >= 1, "null or a step interval >= 1",
+     "e.g. train.keep_checkpoints.every=100000"),
     ("train.mixed_precision", lambda v: v in S.MIXED_PRECISION, f"one of {', '.join(S.MIXED_PRECISION)}",
      "e.g. train.mixed_precision=bf16"),
     ("train.cpu_threads", lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
@@ -245,6 +249,10 @@ def check_cross(cfg, world_size: int):
         raise refuse("train.eval.path_drop_scales", list(e.path_drop_scales), "[] for a model without SPRINT routes "
                      "(path-drop guidance drops their deep path)", "e.g. model.params.routes.0.fusion=sprint, or "
                      "train.eval.path_drop_scales=[]")
+    keep = cfg.train.keep_checkpoints
+    if keep.every is not None and keep.newest is None:
+        raise refuse("train.keep_checkpoints.every", keep.every, "null while train.keep_checkpoints.newest=null "
+                     "(every checkpoint is kept)", "e.g. train.keep_checkpoints.newest=2")
     if cfg.model.params.num_classes != cfg.dataset.num_classes:
         raise refuse("model.params.num_classes", cfg.model.params.num_classes,
                      f"dataset.num_classes={cfg.dataset.num_classes}", "remove the override")

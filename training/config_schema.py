@@ -201,6 +201,13 @@ class EvalSchema:
 
 
 @dataclass
+class KeepCheckpointsSchema:
+    newest: Optional[int] = key("keep the newest this many checkpoints, >= 1 (null: keep all, the authors')", None)
+    every: Optional[int] = key("with newest: also keep those at steps that are multiples of this, >= 1 (null: none)",
+                               None)
+
+
+@dataclass
 class TrainSchema:
     max_steps: int = key("the run stops here, >= 1")
     ckpt_every: int = key("checkpoint interval, >= 1 (also at the end and on SIGTERM/SIGINT)")
@@ -213,6 +220,8 @@ class TrainSchema:
     cpu_threads: Any = key("CPU runs: torch threads per process, >= 1, or auto (cores / local processes)")
     dist_timeout_minutes: int = key("timeout of collective operations between processes, > 0")
     routing_off_after: Optional[int] = key("routing off from this training step on, >= 0 (null: never)", None)
+    keep_checkpoints: KeepCheckpointsSchema = key("which checkpoints stay on disk (the newest always does)",
+                                                  factory=KeepCheckpointsSchema)
     general: GeneralSchema = key("batch and data", factory=GeneralSchema)
     optimizer: OptimizerSchema = key("AdamW", factory=OptimizerSchema)
     ema: EMASchema = key("EMA", factory=EMASchema)

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from data import ResumableBatchSampler, build_dataset
 from dit import get_model
 from training import checkpoint as ckpt
+from training.checkpoint_retention import prune_checkpoints
 from training.diffuser import build_denoiser, build_objective
 from training.flops import format_report, routing_flop_report
 from training.in_training_eval import TrainingEvaluator
@@ -240,6 +241,8 @@ def save_snapshot(run: Run, step: int):
                    "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                    "config": OmegaConf.to_container(run.cfg, resolve=True)}
         Progress.write(f"saved {ckpt.save_checkpoint(payload, run.ckpt_dir, step)}")
+        for removed in prune_checkpoints(run.ckpt_dir, run.cfg.train.get("keep_checkpoints")):
+            Progress.write(f"removed {removed} (train.keep_checkpoints)")
     accelerator.wait_for_everyone()
 
 
