@@ -103,6 +103,9 @@ def test_report_states_the_cost_of_the_float32_block_after_a_route():
     assert report["fp32_blocks"] == [9]
     assert report["fp32_flop_fraction"] == pytest.approx(one_block / report["flops_per_step_routed"], rel=0.02)
     assert "block(s) [9] after the route run in float32" in format_report("DiT-B/2", report, 2)
+    assert "block(s) [9] after the route run in float32" in format_report("DiT-B/2", report, 2, "bf16")
+    without = format_report("DiT-B/2", report, 2, "no")  # no autocast: every block is float32, and it says so
+    assert "every block runs in float32 (train.mixed_precision=no)" in without and " run in float32 under" not in without
     off = routing_flop_report("DiT-B/2", {**params, "fp32_after_route": False}, batch_size=2)
     assert off["fp32_blocks"] == [] and off["fp32_flop_fraction"] == 0 and "float32" not in format_report(
         "DiT-B/2", off, 2)

@@ -181,15 +181,24 @@ def schedule_end_flops(backbone_type: str, params: dict, batch_size: int) -> dic
             "flops_per_step_routed_end": training_step_flops(backbone_type, params, batch_size, step=max(ends))}
 
 
-def format_report(backbone_type: str, report: dict, batch_size: int) -> str:
+def _fp32_line(r: dict, mixed_precision) -> str:
+    where = f"block(s) {r['fp32_blocks']} after the route"
+    share = f"{r['fp32_flop_fraction']:.1%} of the routed step's FLOPs"
+    if mixed_precision == "no":  # without autocast every block is float32: the marking changes nothing
+        return (f"\n  every block runs in float32 (train.mixed_precision=no); under bf16 or fp16 {where} would "
+                f"stay in float32 ({share})")
+    return (f"\n  {where} run in float32 under mixed precision (TF32 matmuls on CUDA unless train.tf32=false): "
+            f"{share}")
+
+
+def format_report(backbone_type: str, report: dict, batch_size: int, mixed_precision=None) -> str:
+    """`mixed_precision`: the run's train.mixed_precision (no: the float32 note says every block is float32)."""
     r, routed = report, report["flops_per_step_routed"]
     return (f"FLOPs per training step ({backbone_type}, batch {batch_size}, forward + backward): dense "
             f"{r['flops_per_step_dense'] / 1e9:.2f} G, routed {r['flops_per_step_routed'] / 1e9:.2f} G -> speed-up "
             f"bound {r['flop_speedup_bound']:.3f}x; block activation memory ~{r['activation_memory_fraction']:.0%} "
             f"of dense; tokens per block {r['tokens_per_block']}" + (
-                f"\n  block(s) {r['fp32_blocks']} after the route run in float32 under mixed precision (TF32 "
-                f"matmuls on CUDA unless train.tf32=false): {r['fp32_flop_fraction']:.1%} of the routed step's "
-                f"FLOPs" if r["fp32_blocks"] else "") + (
+                _fp32_line(r, mixed_precision) if r["fp32_blocks"] else "") + (
                 f"\n  ratio schedule: routed {r['flops_per_step_routed'] / 1e9:.2f} G per step at its start, "
                 f"{r['flops_per_step_routed_end'] / 1e9:.2f} G from step {r['schedule_end_step']} on"
                 if "schedule_end_step" in r else "") + (

@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
 
-from data import ResumableBatchSampler, build_dataset
+from data import ResumableBatchSampler, build_dataset, loader_workers
 from dit import get_model
 from training import checkpoint as ckpt
 from training.checkpoint_retention import prune_checkpoints
@@ -167,7 +167,9 @@ def setup(cfg: DictConfig) -> Run:
     accum = int(cfg.train.general.get("grad_accum_steps", 1))
     sampler = ResumableBatchSampler(len(dataset), cfg.train.general.batch_size // (world * accum), rank, world,
                                     cfg.global_seed, start_step=step * accum)
-    workers = cfg.train.general.num_workers
+    workers, note = loader_workers(cfg.train.general.num_workers)
+    if is_main and note:
+        print(note)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                          pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                                          generator=torch.Generator())  # keeps the global RNG untouched
@@ -225,7 +227,7 @@ def open_run_log(run: Run, resumed_from) -> MetricsLogger:
         params = OmegaConf.to_container(cfg.model.params, resolve=True)
         report = routing_flop_report(cfg.model.backbone_type, params, per_rank_batch,
                                      OmegaConf.to_container(cfg.repa, resolve=True), cfg.dataset.kind)
-        print(format_report(cfg.model.backbone_type, report, per_rank_batch))
+        print(format_report(cfg.model.backbone_type, report, per_rank_batch, cfg.train.mixed_precision))
     return logger
 
 
