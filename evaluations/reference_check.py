@@ -21,8 +21,13 @@ def network_tag(name: str, random_init: bool = False) -> str:
 
 def stored_tag(ref_path):
     """The `feature_network` tag of a reference .npz, or None (untagged: ADM's files)."""
-    with np.load(ref_path, allow_pickle=False) as npz:
-        return str(npz[TAG_KEY]) if TAG_KEY in npz.files else None
+    try:
+        with np.load(ref_path, allow_pickle=False) as npz:
+            return str(npz[TAG_KEY]) if TAG_KEY in npz.files else None
+    except (OSError, ValueError, EOFError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{ref_path} cannot be read as a reference .npz ({reason}); make one with "
+                        f"`python fid.py ref --images DIR --out REF.npz`") from None
 
 
 def split_tag(tag: str):
