@@ -2,7 +2,8 @@
 random-network reference, training with the smoke in-training FID, sample.py, the evaluator. And the
 offline refusals of the configuration check: one line, in seconds, before the run folder exists."""
 import json
-import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -25,13 +26,31 @@ def run(tmp_path, *args, check=True, **env):
     return proc
 
 
+TOY = "/tmp/tread-toy"  # the README's folder, here a test's own
+
+
+def readme_commands(root) -> list:
+    """The README's offline block (the bash block that makes /tmp/tread-toy/vae), as argument lists in `root`."""
+    text = (REPO / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if f"{TOY}/vae" in b)
+    lines = block.replace("\\\n", " ").replace(TOY, str(root)).splitlines()
+    return [[a for a in shlex.split(line) if not a.startswith("HF_HUB_OFFLINE=")][1:] for line in lines if line.strip()]
+
+
 @pytest.fixture(scope="module")
 def latents(tmp_path_factory):
-    """A random SD-VAE, 8 random images and their extracted latents at 64 x 64 (8 x 8 latents)."""
+    """The README's first three steps: a random SD-VAE and 8 random images, their latents at 64 x 64 (8 x 8
+    latents), a random-network reference."""
     tmp = tmp_path_factory.mktemp("imagenet")
-    run(tmp, "-m", "tools.make_random_sdvae", tmp / "vae", "--images", tmp / "imgs", "--num-images", "8")
-    run(tmp, "-m", "data.extract_latents", tmp / "imgs", tmp / "latents", "--vae", tmp / "vae", "--resolution",
-        "64", "--batch-size", "8", "--num-workers", "0", "--cpu")
+    commands = readme_commands(tmp)
+    assert [c[:2] for c in commands] == [["-m", "tools.make_random_sdvae"], ["-m", "data.extract_latents"],
+                                         ["fid.py", "ref"], ["train.py", "dataset=imagenet256"],
+                                         ["sample.py", f"ckpt={tmp}/runs/toy"],
+                                         ["evaluations/evaluator.py", f"{tmp}/ref.npz"]]
+    run(tmp, *commands[0])
+    run(tmp, *commands[1])
+    ref = run(tmp, *commands[2])
+    assert "inception-random-init" in ref.stdout and "covariance is singular" in ref.stderr
     return tmp
 
 
@@ -45,31 +64,27 @@ def train_args(tmp, results, *extra):
 
 
 def test_offline_imagenet_path_end_to_end(latents):
+    """The README's offline block runs as written: training, sampling and the evaluator after the fixture."""
     tmp = latents
     manifest = json.loads((tmp / "latents" / "manifest.json").read_text())
     assert manifest["vae"] == str(tmp / "vae") and manifest["latent_shape"] == [2, 8, 8, 8]
-    ref = run(tmp, "fid.py", "ref", "--images", tmp / "imgs" / "0", "--out", tmp / "ref.npz", "--random-init",
-              "--device", "cpu", "--no-progress")
-    assert "inception-random-init" in ref.stdout and "covariance is singular" in ref.stderr
+    train, sample, evaluate = readme_commands(tmp)[3:]
 
-    trained = run(tmp, *train_args(tmp, "runs", f"train.eval.ref_batch={tmp / 'ref.npz'}", "train.eval.smoke=true",
-                                   "train.eval.fid_num_samples=4"))
+    trained = run(tmp, *train)
     out = trained.stdout + trained.stderr
     assert f"decoding with VAE {tmp / 'vae'}, which made the latents" in out
     assert "train.eval.smoke=true" in out and "mean nothing" in out and "covariance is singular" in out
-    records = [json.loads(line) for line in (tmp / "runs" / "smoke" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp / "runs" / "toy" / "metrics.jsonl").read_text().splitlines()]
     assert any(np.isfinite(r.get("fid", np.nan)) for r in records), records
 
-    sampled = run(tmp, "sample.py", f"ckpt={tmp / 'runs' / 'smoke'}", "num_samples=4", f"out={tmp / 's.npz'}",
-                  "sampler.num_steps=2", "progress=false")
+    sampled = run(tmp, *sample)
     assert f"decoding with VAE {tmp / 'vae'}, which made the latents" in sampled.stdout
-    assert np.load(tmp / "s.npz")["arr_0"].shape == (4, 64, 64, 3)
+    assert np.load(tmp / "samples.npz")["arr_0"].shape == (4, 64, 64, 3)
 
-    evaluated = run(tmp, "evaluations/evaluator.py", tmp / "ref.npz", tmp / "s.npz", "--random-init",
-                    "--device", "cpu", "--no-progress")
+    evaluated = run(tmp, *evaluate)
     assert evaluated.stdout.splitlines()[1].startswith("FID: ")
     assert "warning: FID from 4 samples" in evaluated.stderr
-    unmatched = run(tmp, "evaluations/evaluator.py", tmp / "ref.npz", tmp / "s.npz", "--device", "cpu", check=False)
+    unmatched = run(tmp, *[a for a in evaluate if a != "--random-init"], check=False)
     assert_one_line_error(unmatched, "inception-random-init", "--random-init")
 
 
