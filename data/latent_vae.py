@@ -73,10 +73,11 @@ def decoding_vae(dataset_cfg, given=None, option: str = "dataset.vae"):
         return None, ""
     train_path = _get(dataset_cfg, "train_path")
     made = manifest_vae(train_path)
+    source = option
     if given is None and _get(dataset_cfg, "vae"):
-        given, option = _get(dataset_cfg, "vae"), "dataset.vae"
+        given, source = _get(dataset_cfg, "vae"), "the run's dataset.vae"
     if given:
-        vae, note = str(given), f"decoding with VAE {given} ({option})"
+        vae, note = str(given), f"decoding with VAE {given} ({source})"
         if made and made != vae:
             note += f"; the latents' manifest.json names {made}: the images are right only if both are the same weights"
     elif made:
