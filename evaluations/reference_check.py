@@ -3,7 +3,7 @@ there are more samples than feature dimensions. One set of rules for `fid.py cal
 (evaluations/evaluator.py) and the in-training FID.
 
 `fid.py ref` tags its reference with the network that made it (`feature_network`: inception, digits, or
-inception-random-init); a reference without the tag (ADM's batches) is taken as made by Inception.
+inception-random-init); a reference without the tag (ADM's batches) is not checked.
 With N samples of D-dimensional features the covariance has rank at most N - 1: for N <= D it is singular
 and the FID depends more on N than on the images (16 random-network samples give about 20).
 """

@@ -18,6 +18,8 @@ def marked_offline(envs=HUB_OFFLINE_ENVS) -> str:
 def unreachable(url: str, timeout: float = CONNECT_TIMEOUT_S) -> str:
     """'' when a TCP connection to `url`'s host opens within `timeout` seconds, else why not (one phrase)."""
     parsed = urlparse(url)
+    if not parsed.hostname:
+        return f"{url} names no host"
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
         with socket.create_connection((parsed.hostname, port), timeout=timeout):
