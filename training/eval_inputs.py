@@ -48,6 +48,9 @@ def check_eval_inputs(cfg):
     from evaluations.reference_check import check_reference_network
 
     decoding_vae(cfg.dataset)
+    if e.smoke and e.inception_weights:
+        raise UserError(f"train.eval.inception_weights={e.inception_weights} is unused with train.eval.smoke=true "
+                        f"(random weights); set train.eval.inception_weights=null, or train.eval.smoke=false")
     if not e.smoke:
         check_inception_weights(e.inception_weights)
     tag = scoring_tag(cfg)
