@@ -59,7 +59,8 @@ def resolve_vae(name: str, option: str):
         return config
     why = hub_unavailable()
     if why:
-        raise UserError(f"VAE {name} is not in the Hugging Face cache and the hub cannot be tried ({why}); "
+        raise UserError(f"VAE weights for {name} are not available: not in the Hugging Face cache, and the hub "
+                        f"cannot be tried ({why}); "
                         f"download it with `huggingface-cli download {name}` on a machine with network access "
                         f"(set HF_HOME to share the cache), or {folder}")
     return None

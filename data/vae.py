@@ -12,14 +12,11 @@ import warnings
 import torch
 
 from tread_utils.errors import UserError
+from tread_utils.network import hub_unavailable
 
 SD_VAE_SCALE = 0.18215
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0  # the clamp of diffusers' DiagonalGaussianDistribution
-
-
-def _offline() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -71,7 +68,7 @@ def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float
     else:
         vae, err = None, None
         for local_only in (True, False):
-            if not local_only and _offline():
+            if not local_only and hub_unavailable():  # offline or no connection: no half minute of retries
                 break
             try:
                 with _quiet_hub():
@@ -80,7 +77,8 @@ def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float
             except Exception as e:  # hub/network errors come in many types; all mean "weights not available"
                 err = e
         if vae is None:
-            where = "the Hugging Face cache (offline)" if _offline() else "the Hugging Face cache or the hub"
+            why = hub_unavailable()
+            where = f"the Hugging Face cache ({why})" if why else "the Hugging Face cache or the hub"
             raise UserError(f"VAE weights for {name_or_path} are not available from {where} ({_first_line(err)}); "
                             f"download them with `huggingface-cli download {name_or_path}` on a machine with "
                             f"network access (set HF_HOME to share the cache), or pass a local diffusers folder "
