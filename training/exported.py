@@ -6,12 +6,14 @@ the diffuser and its constants (``sigma_data``, ``P_mean``, ``P_std``), the data
 the latent scale its decoder uses), the class-dropout probability (classifier-free guidance) and the step.
 Reading one uses ``json`` and safetensors only: nothing in the folder is unpickled.
 """
+import inspect
+import json
 from pathlib import Path
 
 import torch
 
 from data.vae import SD_VAE_SCALE
-from dit import get_model
+from dit import DiT, get_model, model_kwargs
 from tread_utils.errors import UserError
 from tread_utils.hub import CONFIG_NAME, WEIGHTS_NAME, check_matches, read_config, read_weights
 
@@ -38,11 +40,17 @@ def tread_section(run_cfg: dict, step: int) -> dict:
     }
 
 
+def dit_arguments(run_cfg: dict) -> dict:
+    """Every argument of `DiT` for the run's model (defaults written out too, so the file alone rebuilds it)."""
+    defaults = {n: p.default for n, p in inspect.signature(DiT.__init__).parameters.items() if n != "self"}
+    chosen = model_kwargs(run_cfg["model"]["backbone_type"], run_cfg["model"]["params"])
+    return json.loads(json.dumps({**defaults, **chosen, "grad_checkpointing": False}))  # plain JSON values
+
+
 def write_export(ema, run_cfg: dict, step: int, out) -> Path:
-    """``ema`` (a DiT built by `get_model`, with the EMA weights) -> ``out``/{config.json, model.safetensors, README.md}."""
+    """``ema`` (the run's DiT with the EMA weights) -> ``out``/{config.json, model.safetensors, README.md}."""
     out = Path(out)
-    config = {**ema._hub_mixin_config, "grad_checkpointing": False, "tread": tread_section(run_cfg, step)}
-    ema.save_pretrained(out, config=config)
+    ema.save_pretrained(out, config={**dit_arguments(run_cfg), "tread": tread_section(run_cfg, step)})
     return out
 
 
