@@ -211,13 +211,14 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
 
     @classmethod
     def _from_pretrained(cls, *, model_id, revision, cache_dir, force_download, local_files_only, token,
-                         map_location="cpu", strict=True, **model_kwargs):
+                         map_location="cpu", strict=True, config=None, **model_kwargs):
         # the mixin's own loader falls back to a pickled file and accepts missing keys: safetensors only, exact
         model_file(model_id, "config.json", revision=revision, cache_dir=cache_dir, force_download=force_download,
                    local_files_only=local_files_only, token=token)
         weights = model_file(model_id, WEIGHTS_NAME, revision=revision, cache_dir=cache_dir,
                              force_download=force_download, local_files_only=local_files_only, token=token)
         model = cls(**model_kwargs)
+        model._hub_mixin_config = {**(config or {}), **model_kwargs}  # save/push_to_hub keep the "tread" entry
         load_exact(model, read_weights(weights), model_id)
         return model.to(map_location).eval()
 

@@ -415,8 +415,10 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
         return random_init_inception(seed).to(device)
     path = resolve_inception_weights(weights, allow_download=allow_download)
     if is_torchscript(path):
-        return _from_state(*map_nvlabs_state(read_torchscript_tensors(path), InceptionV3FID().state_dict(), path),
-                           device)
+        model = InceptionV3FID()
+        state, has_logits = map_nvlabs_state(read_torchscript_tensors(path), model.state_dict(), path)
+        model.load_state_dict(state)
+        return _ready(model, has_logits, device)
     digest = _sha256(path) if check_hash else WEIGHTS_SHA256_PREFIX
     if not digest.startswith(WEIGHTS_SHA256_PREFIX):  # other weights give FIDs no paper can be compared with
         raise UserError(f"Inception weights {path} have sha256 {digest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... of "
@@ -440,12 +442,10 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
         raise UserError(f"{path}: tensor {bad[0]} has shape {tuple(state[bad[0]].shape)}, expected "
                         f"{tuple(expected[bad[0]].shape)}; use {WEIGHTS_FILENAME} from {WEIGHTS_URL}")
     model.load_state_dict(state, strict=False)
-    return _from_state(model.state_dict(), True, device)
+    return _ready(model, True, device)
 
 
-def _from_state(state: dict, has_logits: bool, device) -> InceptionV3FID:
-    model = InceptionV3FID()
-    model.load_state_dict(state)
+def _ready(model: InceptionV3FID, has_logits: bool, device) -> InceptionV3FID:
     model.has_logits = has_logits
     for p in model.parameters():
         p.requires_grad_(False)

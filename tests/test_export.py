@@ -109,6 +109,16 @@ def test_save_pretrained_round_trip(tmp_path):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
+def test_from_pretrained_then_save_pretrained_keeps_the_whole_config(exported, tmp_path):
+    """What push_to_hub uploads: the same config.json, sampling information included."""
+    DiT.from_pretrained(exported).save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == json.loads((exported / "config.json").read_text())
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (exported / "model.safetensors").read_bytes()
+    DiT.from_pretrained(exported, routes=[], enable_routing=False).save_pretrained(tmp_path / "plain")
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert plain["routes"] == [] and not plain["enable_routing"] and plain["tread"]["step"] == 7
+
+
 def test_a_config_that_does_not_match_its_weights_is_refused(exported, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
