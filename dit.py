@@ -121,7 +121,8 @@ def sincos_pos_embed_2d(embed_dim, grid_size):
     return torch.from_numpy(emb).float()
 
 
-class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusion", "tread", "dit"]):
+class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusion", "tread", "dit"],
+          paper_url="https://arxiv.org/abs/2501.04765"):
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
                  mlp_ratio=4.0, num_classes=1000, enable_routing=False, routes=None, qk_norm=False,
                  fp32_after_route=True, grad_checkpointing=False, block_type="attention", init="official"):

@@ -1,6 +1,7 @@
 """Exported models (tools/export.py): safetensors + config.json, loaded by DiT.from_pretrained, sample.py and
 init_from exactly as the run they came from, and refused in one line when config and weights disagree."""
 import json
+import os
 import pickle
 
 import numpy as np
@@ -53,6 +54,9 @@ def samples(source, seeds=(0, 1, 2, 5)):
 
 def test_the_folder_holds_safetensors_and_the_whole_config(exported, run):
     assert sorted(p.name for p in exported.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in exported.iterdir()} == {0o666 & ~umask}  # readable as shared files
     config = json.loads((exported / "config.json").read_text())
     tread = config["tread"]
     source = load_checkpoint(next((run / "checkpoints").glob("ckpt_*.pt")))["config"]

@@ -8,6 +8,7 @@ Reading one uses ``json`` and safetensors only: nothing in the folder is unpickl
 """
 import inspect
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -51,6 +52,10 @@ def write_export(ema, run_cfg: dict, step: int, out) -> Path:
     """``ema`` (the run's DiT with the EMA weights) -> ``out``/{config.json, model.safetensors, README.md}."""
     out = Path(out)
     ema.save_pretrained(out, config={**dit_arguments(run_cfg), "tread": tread_section(run_cfg, step)})
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.iterdir():  # safetensors writes its file owner-only; a model to share gets the usual mode
+        path.chmod(0o666 & ~umask)
     return out
 
 
