@@ -25,15 +25,23 @@ def is_exported_folder(path) -> bool:
 def hub_errors_as_user_errors(model_id):
     """A Hub repository that cannot be had (no network and not cached, unknown repository or file) becomes
     one line saying what to download."""
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+    from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RepositoryNotFoundError)
 
     try:
         yield
     except (EntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, HFValidationError, OSError) as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"{model_id} is neither an exported model folder nor a Hub repository in the cache or "
-                        f"reachable ({type(e).__name__}: {first}); where there is a network run "
-                        f"`hf download {model_id} --local-dir DIR` (or {EXPORT_HINT}) and pass DIR") from None
+        if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+            why = "not in the Hub cache and not downloaded (offline, or the Hub cannot be reached)"
+        elif isinstance(e, RepositoryNotFoundError):
+            why = "no such repository on the Hub (or it is private: log in with `hf auth login`)"
+        elif isinstance(e, HFValidationError):
+            raise UserError(f"{model_id} is neither a folder nor a Hub repository id (owner/name); give an exported "
+                            f"model folder ({EXPORT_HINT}) or a repository id") from None
+        else:
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+        raise UserError(f"cannot load {model_id}: {why}; where there is a network run `hf download {model_id} "
+                        f"--local-dir DIR` and pass DIR (an exported model folder: {EXPORT_HINT})") from None
 
 
 def model_file(model_id, filename: str, **hub_kwargs) -> Path:
