@@ -26,7 +26,8 @@ from evaluations.features import compute_features, open_images
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, atomic_write, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
+from tread_utils.files import atomic_write
 
 NETWORKS = ("inception", "digits")
 

@@ -37,7 +37,7 @@ from data.shard_writer import (ShardWriter, check_writable, default_shard_size, 
 from data.vae import DEFAULT_VAE, encode_moments, load_sd_vae, vae_downsample_factor
 from tread_utils.distributed import start_processes
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm", ".pbm")
 

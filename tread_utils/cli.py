@@ -1,0 +1,34 @@
+"""argparse helpers for the argparse commands (fid.py, tools/, data/extract_latents.py, the evaluator):
+a parser whose errors are one line, and integer types with a range."""
+import argparse
+import sys
+
+from tread_utils.errors import EXIT_USER_ERROR
+
+
+def _int_at_least(value, minimum: int, what: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}") from None
+    if number < minimum:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
+    return number
+
+
+def positive_int(value) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(value, 1, "a positive integer")
+
+
+def non_negative_int(value) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(value, 0, "an integer >= 0")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors follow the project's convention: one `error:` line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
