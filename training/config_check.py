@@ -76,6 +76,11 @@ def _walk_lists(cls, data, path: str, root):
     for name, tp in _field_types(cls).items():
         value, element = data.get(name), _list_element(tp)
         if dataclasses.is_dataclass(tp):
+            if value is not None and not isinstance(value, dict):  # e.g. sampler=euler for sampler.name=euler
+                first = dataclasses.fields(tp)[0].name
+                raise UserError(f"{path}{name}={value}: {path}{name} is a group of settings "
+                                f"({', '.join(f.name for f in dataclasses.fields(tp))}); set them one by one, "
+                                f"e.g. {path}{name}.{first}={value}")
             _walk_lists(tp, value, f"{path}{name}.", root)
         elif element is not None and dataclasses.is_dataclass(element) and isinstance(value, list):
             for i, item in enumerate(value):
@@ -252,14 +257,18 @@ def resolved(cfg) -> dict:
             from None
 
 
+def refuse_missing(merged, schema):
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        key = missing[0]
+        raise UserError(f"{key} is required{_doc(schema, key)}: set {key}=... on the command line")
+
+
 def check_train_config(cfg, world_size: int = 1):
     """The whole training config; returns it merged into the schema (types converted, defaults filled)."""
     data = resolved(cfg)
     merged = conform(S.ConfigSchema, data)
-    missing = sorted(OmegaConf.missing_keys(merged))
-    if missing:
-        key = missing[0]
-        raise UserError(f"{key} is required{_doc(S.ConfigSchema, key)}: set {key}=... on the command line")
+    refuse_missing(merged, S.ConfigSchema)
     for key, ok, allowed, fix in RANGES:
         check(merged, key, ok, allowed, fix)
     if merged.dataset.kind != "shards":
@@ -293,17 +302,31 @@ def check_repa(cfg, depth: int):
         dinov2_weights_file(r.encoder_weights)
 
 
+# (key, test, allowed, fix): single-key ranges of sample.py's options
+SAMPLE_RANGES = [
+    ("num_samples", lambda v: v is None or v >= 1, "null (one image per seed) or at least 1", "e.g. num_samples=500"),
+    ("batch_size", at_least(1), "at least 1 (per process)", "e.g. batch_size=64"),
+    ("class_labels", lambda v: v is None or v >= 0, "null (a random class per seed) or a class index >= 0",
+     "e.g. class_labels=3"),
+    ("grid_per_class", at_least(1), "at least 1", "e.g. grid_per_class=8"),
+    ("grid_images", at_least(1), "at least 1", "e.g. grid_images=64"),
+]
+
+
 def check_sample_config(cfg):
     """sample.py's options (configs/sample.yaml); its command checks the rest (seeds, paths, checkpoint)."""
     merged = conform(S.SampleSchema, resolved(cfg))
+    refuse_missing(merged, S.SampleSchema)
+    for key, ok, allowed, fix in SAMPLE_RANGES:
+        check(merged, key, ok, allowed, fix)
     check_sampler(merged, "sampler")
     return merged
 
 
-def hydra_error_line(e) -> str:
+def hydra_error_line(e, schema=S.ConfigSchema) -> str:
     """One line for an error Hydra raises while composing (a bad override, an unknown group option)."""
     cause = e if isinstance(e, (ConfigKeyError, ConfigAttributeError)) else e.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
-        return str(unknown_key(S.ConfigSchema, str(cause.full_key)))
+        return str(unknown_key(schema, str(cause.full_key)))
     text = str(e).split("Config search path")[0]
     return "configuration: " + " ".join(line.strip() for line in text.splitlines() if line.strip())

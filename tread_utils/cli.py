@@ -1,5 +1,6 @@
-"""argparse helpers for the argparse commands (fid.py, tools/, data/extract_latents.py, the evaluator):
-a parser whose errors are one line, and integer types with a range."""
+"""Command-line helpers. For the argparse commands (fid.py, tools/, data/extract_latents.py, the evaluator):
+a parser whose errors are one line, and integer types with a range. For the Hydra commands (train.py,
+sample.py): an unknown --flag refused in one line instead of Hydra's usage text."""
 import argparse
 import sys
 
@@ -32,3 +33,15 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+
+
+def unknown_hydra_flag(argv, example: str):
+    """The first argument of `argv` that Hydra's own command line does not accept, as a one-line message
+    naming the key=value form (`example`), or None."""
+    from hydra._internal.utils import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args(list(argv))
+    flags = [a for a in unknown if a.startswith("-")]
+    if flags:
+        return f"unknown flag {flags[0]}; options are key=value overrides, e.g. {example} (see --help)"
+    return None
