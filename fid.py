@@ -39,7 +39,7 @@ def load_network(name: str, weights=None, device="auto", random_init: bool = Fal
         if random_init:
             raise UserError("--random-init applies to --network inception only")
         return load_digits_classifier(weights, device=dev)
-    return load_inception(weights, device=dev, random_init=random_init)
+    return load_inception(weights, device=dev, random_init=random_init, weights_option="--weights PATH")
 
 
 def network_tag(name: str, random_init: bool) -> str:

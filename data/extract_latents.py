@@ -236,7 +236,7 @@ def _extract_main(args):
     if not os.path.exists(args.source):
         raise UserError(f"source {args.source} does not exist; pass an ImageNet-style folder or a `path label` list file")
     check_writable(os.path.abspath(args.out))  # cheap checks before the (possibly slow) VAE load
-    vae = load_sd_vae(args.vae, device=state.device)
+    vae = load_sd_vae(args.vae, device=state.device, option="--vae DIR")
     vae_id = os.path.abspath(args.vae) if os.path.isdir(args.vae) else args.vae
     out = os.path.abspath(args.out)
     run_extraction(args.source, out, vae=vae, vae_id=vae_id, resolution=args.resolution,

@@ -314,7 +314,8 @@ def main(argv=None):
         device = None
     else:
         device = resolve_device(args.device)
-        extractor = load_inception(args.weights, device=device, random_init=args.random_init)
+        extractor = load_inception(args.weights, device=device, random_init=args.random_init,
+                                   weights_option="--weights PATH")
     result = evaluate(args.ref_batch, args.sample_batch, extractor, batch_size=args.batch_size,
                       num_samples=args.num_samples, progress=not args.no_progress, device=device)
     for note in result["notes"]:
