@@ -1,7 +1,7 @@
 """Sample images from a trained checkpoint (EMA weights) into an ADM-layout .npz for evaluation.
 
     python sample.py ckpt=results/tread-digits num_samples=500 out=samples.npz grid=grid.png
-    accelerate launch sample.py ckpt=results/run/checkpoints/ckpt_00400000.pt seeds=0-49999 out=fid50k.npz
+    accelerate launch -q sample.py ckpt=results/run/checkpoints/ckpt_00400000.pt seeds=0-49999 out=fid50k.npz
     python sample.py ckpt=run num_samples=500 cfg_scale=1.5 guidance_interval=[0.3,5] sampler.num_steps=32
     python sample.py ckpt=run num_samples=500 sampler.name=ablation sampler.solver=euler sampler.discretization=vp
     python sample.py ckpt=run seeds=[0-9,20-29,7] class_labels=3   # ranges and single seeds (or seeds='0-9,20-29')
@@ -12,7 +12,8 @@ Options are Hydra overrides of configs/sample.yaml, as for train.py (`python sam
 with defaults); they are checked by training.config_check.check_sample_config.
 The output holds `arr_0` uint8 [N, H, W, 3] and `arr_1` int64 labels in seed order; every seed has its
 own generator, so a seed gives the same latents and label whatever the batch size or number of processes
-(`accelerate launch` splits the seeds, only the main process writes). Bad input is reported in one line
+(`accelerate launch` splits the seeds, only the main process writes). Bad input is reported in one line (the
+last line of the output under `accelerate launch -q`)
 before any sampling, and the output file is written atomically (nothing half-written is ever left).
 """
 import os

@@ -47,7 +47,7 @@ def refuse_job(cfg, message: str, run_dir=None):
     """A single run exits with one line; a sweep job is reported (and recorded in `run_dir` if given)."""
     if not is_multirun():
         if int(os.environ.get("RANK", 0)) != 0:
-            sys.exit(2)  # rank 0 says it
+            exit_with(message, quiet=True)  # rank 0 says it; every rank leaves it for the launcher
         exit_with(message)
     if run_dir is not None:
         from training.run_dir import write_status
