@@ -12,9 +12,9 @@ Options are Hydra overrides of configs/sample.yaml, as for train.py (`python sam
 with defaults); they are checked by training.config_check.check_sample_config.
 The output holds `arr_0` uint8 [N, H, W, 3] and `arr_1` int64 labels in seed order; every seed has its
 own generator, so a seed gives the same latents and label whatever the batch size or number of processes
-(`accelerate launch` splits the seeds, only the main process writes). Bad input is reported in one line (the
-last line of the output under `accelerate launch -q`)
-before any sampling, and the output file is written atomically (nothing half-written is ever left).
+(`accelerate launch` splits the seeds, only the main process writes). Bad input is reported in one line
+before any sampling (the last line of the output, under `accelerate launch -q`), and the output file is
+written atomically (nothing half-written is ever left).
 """
 import os
 import sys
