@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from training.config_check import check_train_config, hydra_error_line
 from training.run_lock import RunLock
+from tread_utils.cli import unknown_hydra_flag
 from tread_utils.errors import UserError, exit_with, one_line
 
 
@@ -110,6 +111,9 @@ def run(cfg, run_dir: Path, lock):
 
 if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors (bad overrides) to us: one line, exit code 2
+    flag = unknown_hydra_flag(sys.argv[1:], example="dataset.vae=DIR")
+    if flag:  # one line instead of Hydra's usage text
+        exit_with(flag)
     try:
         main()
     except (HydraException, OmegaConfBaseException) as e:

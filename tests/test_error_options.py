@@ -92,3 +92,11 @@ def test_the_error_names_an_option_the_command_accepts(setup, results, name):
     assert not any(f" {s}" in absent for s in others if s not in spelling), absent  # no other command's spelling
     given = error_line(*results[name, "given"])
     assert str(setup / "no_such_dir") in given, given  # the option reached the loader
+
+
+def test_train_refuses_an_unknown_flag_in_one_line():
+    """`--vae DIR`, the fix an argparse command asks for, given to train.py: one line naming the key=value form."""
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--vae", "/tmp/vae"], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    line = error_line(proc.returncode, proc.stderr)
+    assert "--vae" in line and "dataset.vae=DIR" in line, line
