@@ -39,7 +39,7 @@ VAE_OPTION = "vae=DIR"  # how this command is given a VAE, for the errors that a
 
 def resolve_seeds(num_samples, seeds) -> list:
     """The seeds to sample, from num_samples and seeds (their ranges are checked by check_sample_config)."""
-    from generation import parse_seeds  # loads torch: kept out of --help, like the imports of run()
+    from generation import parse_seeds  # loads torch: only for options that passed the schema
 
     if seeds is None:
         if num_samples is None:
@@ -71,7 +71,7 @@ def compose_config(argv):
 
 
 def run(cfg, seeds: list) -> None:
-    # torch, accelerate and the model code load here, not at the top, so that --help answers at once
+    # torch, accelerate and the model code load here, not at the top: --help and bad options answer at once
     import torch
     import generation
     from data.decoders import decoder_for
