@@ -345,7 +345,8 @@ def _sha256(path: Path) -> str:
 
 
 def _how_to_point(option=None) -> str:
-    """`option`: how the calling command is given the weights file (`--weights PATH`, `train.eval.inception_weights=PATH`)."""
+    """`option`: how the calling command is given the weights file (`--weights PATH`,
+    `train.eval.inception_weights=PATH`)."""
     give = f"pass it with {option} or " if option else ""
     return (f"download {WEIGHTS_FILENAME} from {WEIGHTS_URL} and {give}set {WEIGHTS_ENV}=PATH "
             f"(or put it in {weight_cache_dirs()[0]})")
@@ -363,7 +364,8 @@ def _download(destination: Path, option=None) -> Path:
                 out.write(chunk)
         if not digest.hexdigest().startswith(WEIGHTS_SHA256_PREFIX):
             raise UserError(f"downloaded {WEIGHTS_FILENAME} has sha256 {digest.hexdigest()[:16]}..., expected "
-                            f"{WEIGHTS_SHA256_PREFIX}...; the download is corrupt, try again or {_how_to_point(option)}")
+                            f"{WEIGHTS_SHA256_PREFIX}...; the download is corrupt, try again or "
+                            f"{_how_to_point(option)}")
         os.replace(tmp_name, destination)
     finally:
         if os.path.exists(tmp_name):
@@ -388,7 +390,8 @@ def resolve_inception_weights(path=None, allow_download: bool = True, option=Non
         if candidate.is_file():
             return candidate
     if not allow_download or os.environ.get(OFFLINE_ENV, "").strip() not in ("", "0"):
-        raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found and downloads are off; {_how_to_point(option)}")
+        raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found and downloads are off; "
+                        f"{_how_to_point(option)}")
     try:
         return _download(weight_cache_dirs()[0] / WEIGHTS_FILENAME, option)
     except (urllib.error.URLError, OSError, TimeoutError) as e:

@@ -35,11 +35,13 @@ def setup(tmp_path_factory):
 
 
 def train_args(root):
-    return [f"results_dir={root / 'runs'}", "model=tread", "dataset=imagenet256", f"dataset.train_path={root / 'shards'}",
+    return [f"results_dir={root / 'runs'}", "model=tread", "dataset=imagenet256",
+            f"dataset.train_path={root / 'shards'}",
             f"dataset.input_size={S}", f"dataset.num_classes={K}", *TINY_MODEL,
             "model.params.routes.0.start_layer_idx=1", "model.params.routes.0.end_layer_idx=2",
             "train.general.batch_size=4", "train.general.num_workers=0", "train.max_steps=2", "train.ckpt_every=2",
-            "train.eval.eval_interval=2", "train.eval.fid_num_samples=2048", f"train.eval.ref_batch={root / 'images.npz'}"]
+            "train.eval.eval_interval=2", "train.eval.fid_num_samples=2048",
+            f"train.eval.ref_batch={root / 'images.npz'}"]
 
 
 def commands(root):
