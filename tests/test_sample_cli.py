@@ -339,3 +339,21 @@ def test_check_output_path_and_atomic_writers(tmp_path):
     assert data["arr_1"].dtype == np.int64 and np.array_equal(data["arr_0"], images)
     generation.save_image_grid(tmp_path / "g.png", images, max_images=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz", "g.png", "s.npz"]
+
+
+def test_a_group_given_a_value_is_one_line_on_a_schema_base(tmp_path):
+    """With the schema as the config's base (registered in Hydra's ConfigStore), Hydra itself refuses
+    `sampler=euler`: the line names the setting that works, as without that base."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from training.config_check import hydra_error_line
+    from training.config_schema import SampleSchema
+
+    ConfigStore.instance().store(name="sample_schema_base_test", node=SampleSchema)
+    (tmp_path / "s.yaml").write_text("defaults:\n  - sample_schema_base_test\n  - _self_\nckpt: x\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        with pytest.raises(HydraException) as info:
+            compose("s", overrides=["sampler=euler", "sampler.num_steps=3"])
+    line = hydra_error_line(info.value, SampleSchema)
+    assert line.startswith("sampler=euler: sampler is a group of settings") and "e.g. sampler.name=euler" in line

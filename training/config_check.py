@@ -69,6 +69,12 @@ def _doc(root, full_key: str) -> str:
     return f" ({found[0].metadata['doc']})" if found else ""
 
 
+def group_given_a_value(cls, key: str, value) -> UserError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    return UserError(f"{key}={value}: {key} is a group of settings ({', '.join(names)}); set them one by one, "
+                     f"e.g. {key}.{names[0]}={value}")
+
+
 def _walk_lists(cls, data, path: str, root):
     """OmegaConf loses the path of an error inside a list element: check schema lists element by element."""
     if not isinstance(data, dict):
@@ -77,10 +83,7 @@ def _walk_lists(cls, data, path: str, root):
         value, element = data.get(name), _list_element(tp)
         if dataclasses.is_dataclass(tp):
             if value is not None and not isinstance(value, dict):  # e.g. sampler=euler for sampler.name=euler
-                first = dataclasses.fields(tp)[0].name
-                raise UserError(f"{path}{name}={value}: {path}{name} is a group of settings "
-                                f"({', '.join(f.name for f in dataclasses.fields(tp))}); set them one by one, "
-                                f"e.g. {path}{name}.{first}={value}")
+                raise group_given_a_value(tp, f"{path}{name}", value)
             _walk_lists(tp, value, f"{path}{name}.", root)
         elif element is not None and dataclasses.is_dataclass(element) and isinstance(value, list):
             for i, item in enumerate(value):
@@ -328,5 +331,9 @@ def hydra_error_line(e, schema=S.ConfigSchema) -> str:
     cause = e if isinstance(e, (ConfigKeyError, ConfigAttributeError)) else e.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
         return str(unknown_key(schema, str(cause.full_key)))
+    key = str(getattr(cause, "full_key", "") or "")
+    group = schema_at(schema, key) if key else None
+    if group is not None and str(e).startswith("Error merging override"):  # a group given a value: sampler=euler
+        return str(group_given_a_value(group, key, str(e).partition("=")[2]))
     text = str(e).split("Config search path")[0]
     return "configuration: " + " ".join(line.strip() for line in text.splitlines() if line.strip())
