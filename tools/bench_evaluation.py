@@ -171,7 +171,7 @@ class TimedDecoder:
 @torch.no_grad()
 def bench_training_fid(args, device, dtype):
     """FID on `--fid-samples` images as train.eval computes it, per backbone, with each stage timed."""
-    vae = random_sd_vae(device) if args.vae == "random" else load_sd_vae(args.vae, device=device)
+    vae = random_sd_vae(device) if args.vae == "random" else load_sd_vae(args.vae, device=device, option="--vae DIR")
     decoder = SDVAEDecoder(vae, decode_batch_size=args.fid_batch)
     inception = load_inception(device=device, random_init=True)
     rows = []

@@ -50,7 +50,8 @@ def inception_reference(cfg, extractor):
 SCORERS = {
     "digits": (lambda cfg, device: load_digits_classifier(device=device),
                lambda cfg, extractor: digits_reference_statistics(extractor)),
-    "shards": (lambda cfg, device: load_inception(weights=cfg.train.eval.inception_weights, device=device),
+    "shards": (lambda cfg, device: load_inception(weights=cfg.train.eval.inception_weights, device=device,
+                                                  weights_option="train.eval.inception_weights=PATH"),
                inception_reference),
 }
 
@@ -80,7 +81,7 @@ class TrainingEvaluator:
         self.samples_dir = Path(run_dir) / "samples"
         self.last_grid = None  # the newest grid's path, for the run's closing summary
         device = accelerator.device
-        self.decoder = decoder_for(cfg.dataset, device=device)
+        self.decoder = decoder_for(cfg.dataset, device=device, vae_option="dataset.vae=DIR")
         load_extractor, load_reference = SCORERS[cfg.dataset.kind]
         self.extractor = load_extractor(cfg, device)  # every process extracts the features of its own samples
         self.reference, self.memorisation = None, None
