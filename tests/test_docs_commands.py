@@ -374,12 +374,13 @@ def train_jobs(overrides: list, multirun: bool) -> list:
 
 
 def local_stand_ins(cfg, root: Path) -> list:
-    """Each absolute path of `cfg` that exists only on a cluster (/data/...) set to an empty local stand-in
-    under `root` (a file if it has a suffix, else a folder); returns the cluster paths."""
+    """Each path of `cfg` that exists only on a cluster (/data/...) or is made by an earlier command on the page
+    (a relative run or export folder) set to an empty local stand-in under `root` (a file if it has a suffix,
+    else a folder); returns those paths."""
     replaced = []
     for key in ("dataset.train_path", "init_from", "train.eval.ref_batch", "train.eval.inception_weights"):
         value = OmegaConf.select(cfg, key)
-        if isinstance(value, str) and value.startswith("/") and not Path(value).exists():
+        if isinstance(value, str) and not Path(value).exists():
             local = root / value.lstrip("/")
             local.parent.mkdir(parents=True, exist_ok=True)
             if local.suffix:

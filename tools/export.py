@@ -14,7 +14,7 @@ from pathlib import Path
 from training.checkpoint import net_from_state, read_checkpoint, resolve_checkpoint
 from training.exported import write_export
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser
+from tread_utils.cli import ArgumentParser
 from tread_utils.hub import CONFIG_NAME, WEIGHTS_NAME
 
 
