@@ -105,9 +105,10 @@ def run(cfg) -> None:
     from data.decoders import decoder_for
     from evaluations.digits_classifier import class_accuracy
     from training import checkpoint as ckpt
-    from tread_utils.distributed import start_processes
+    from tread_utils.distributed import check_cuda_processes, start_processes
     from tread_utils.files import check_output_path
     from tread_utils.precision import set_precision_policy
+    check_cuda_processes()
 
     if OmegaConf.is_missing(cfg, "ckpt") or cfg.ckpt in (None, ""):
         raise UserError("ckpt is required: ckpt=PATH (a checkpoint file or a run directory)")
