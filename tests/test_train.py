@@ -80,7 +80,7 @@ def uninterrupted(tmp_path_factory):
 
     def get(model):
         if model not in runs:
-            run_script("train.py", *resume_args(model, root, model), check=True)
+            run_train(*resume_args(model, root, model))
             runs[model] = root / model
         return runs[model]
     return get
@@ -91,12 +91,12 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("model", ["dit", "tread"])
 @pytest.mark.parametrize("when, step", [("mid_step", 22), ("after_checkpoint", 20)])
 def test_kill9_resume_is_bit_identical(tmp_path, uninterrupted, model, when, step):
-    killed = run_script("tests/train_killed_at.py", when, step, *resume_args(model, tmp_path, "killed"))
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_train(when, step, *resume_args(model, tmp_path, "killed"), script="tests/train_killed_at.py",
+              expect=-signal.SIGKILL)
     assert final_state(tmp_path / "killed")["step"] == 20
     evaluated_20 = 20 in records(tmp_path / "killed", "fid")
     assert evaluated_20 == (when == "mid_step"), "the kill landed where intended"
-    resumed = run_script("train.py", *resume_args(model, tmp_path, "killed"), check=True)
+    resumed = run_train(*resume_args(model, tmp_path, "killed"))
     assert "resuming from" in resumed.stdout and "at step 20" in resumed.stdout
     straight = uninterrupted(model)
     assert_bit_identical(final_state(straight), final_state(tmp_path / "killed"))
@@ -117,7 +117,7 @@ def test_logged_throughput_leaves_out_evaluations_inside_a_log_interval(tmp_path
 
 @pytest.mark.parametrize("model", ["dit", "tread"])
 def test_evaluation_does_not_change_training(tmp_path, uninterrupted, model):
-    run_script("train.py", *resume_args(model, tmp_path, "no_eval", "train.eval.eval_interval=0"), check=True)
+    run_train(*resume_args(model, tmp_path, "no_eval", "train.eval.eval_interval=0"))
     assert not records(tmp_path / "no_eval", "fid") and records(uninterrupted(model), "fid")
     assert_bit_identical(final_state(uninterrupted(model)), final_state(tmp_path / "no_eval"))
 
@@ -129,8 +129,7 @@ def test_evaluation_puts_back_every_random_stream_it_draws_from(tmp_path, monkey
     from accelerate import Accelerator
 
     from training import in_training_eval
-    from training.checkpoint import capture_rng_state
-    from training.checkpoint import build_denoiser
+    from training.checkpoint import build_denoiser, capture_rng_state
 
     sample = in_training_eval.generate
 
