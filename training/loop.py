@@ -59,7 +59,7 @@ def update_ema(ema_params, model_params, decay: float):
     torch._foreach_lerp_(ema_params, model_params, 1.0 - decay)
 
 
-def init_weights(cfg, model, ema, optimizer, is_main, projector=None):
+def init_weights(run, cfg):
     """Start a new run from another run's model and EMA weights, e.g. the paper's "(F)" fine-tuning of a
     TREAD run without routing: `model=dit init_from=results/tread-digits`. Fresh optimizer unless
     init_from_optimizer=true. init_from_weights=ema starts the model from the source's EMA too, as SPRINT's
@@ -67,15 +67,26 @@ def init_weights(cfg, model, ema, optimizer, is_main, projector=None):
     source = ckpt.resolve_checkpoint(cfg.init_from)
     state = ckpt.load_checkpoint(source)
     from_ema = cfg.init_from_weights == "ema"
-    ckpt.load_model_state(model, state["ema" if from_ema else "model"], source)
-    ckpt.load_model_state(ema, state["ema"], source)
-    load_projector(projector, state, source, is_main)
-    if cfg.init_from_optimizer:
-        optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], optimizer, len(list(model.parameters())),
-                                                      "repa" in state))
-    if is_main:
+    load_training_state(run, state, source, model_key="ema" if from_ema else "model",
+                        optimizer=cfg.init_from_optimizer)
+    if run.accelerator.is_main_process:
         print(f"initialised from {source} (step {state['step']}{', its EMA as the model' if from_ema else ''}), "
               f"{'with its optimizer state' if cfg.init_from_optimizer else 'fresh optimizer'}")
+
+
+def load_training_state(run, state: dict, source, model_key="model", optimizer=True) -> int:
+    """Model (from the checkpoint's `model_key` weights), EMA, projector and (if `optimizer`) optimizer from
+    a checkpoint; returns its step."""
+    ckpt.load_model_state(run.model, state[model_key], source)
+    ckpt.load_model_state(run.ema, state["ema"], source)
+    load_projector(run.projector, state, source, run.accelerator.is_main_process)
+    try:
+        if optimizer:
+            run.optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], run.optimizer,
+                                                              len(list(run.model.parameters())), "repa" in state))
+    except (ValueError, KeyError) as e:
+        raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
+    return int(state["step"])
 
 
 class StopSignal:
@@ -144,7 +155,7 @@ def setup(cfg: DictConfig) -> Run:
     if state is not None:
         run.step = load_training_state(run, state, source)
     elif cfg.init_from:
-        init_weights(cfg, run.model, run.ema, run.optimizer, is_main, run.projector)
+        init_weights(run, cfg)
     run.ema.to(device)
 
     # Load dataset: the batch sampler counts micro-batches and starts at the resumed step's first one.
@@ -159,10 +170,15 @@ def setup(cfg: DictConfig) -> Run:
 
     # Log and evaluate.
     run.model.router.off_after_step = cfg.train.get("routing_off_after")
+    run.loss_sum = torch.zeros((), device=device)
+    run.bad_step = torch.full((), -1, dtype=torch.long, device=device)
     if run.projector is not None:
         run.repa_sum = torch.zeros((), device=device)
     if is_main:
         run.logger = open_run_log(run, resumed_from=source)
+        if run.step >= cfg.train.max_steps:
+            print(f"run {cfg.run_name} is already complete at step {run.step}; raise train.max_steps, or start "
+                  f"over with resume=false or a new run_name")
     if cfg.train.eval.eval_interval and cfg.train.eval.eval_interval > 0:
         run.evaluator = TrainingEvaluator(cfg, accelerator, run_dir)
         run.eval_net = build_denoiser(cfg.diffuser, run.ema)
@@ -202,19 +218,6 @@ def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> Run:
     if cfg.train.compile:
         denoiser.model = torch.compile(model)
     return Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, projector)
-
-
-def load_training_state(run: Run, state: dict, source) -> int:
-    """Model, EMA, projector and optimizer from a checkpoint of this run; returns its step."""
-    ckpt.load_model_state(run.model, state["model"], source)
-    ckpt.load_model_state(run.ema, state["ema"], source)
-    load_projector(run.projector, state, source, run.accelerator.is_main_process)
-    try:
-        run.optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], run.optimizer,
-                                                          len(list(run.model.parameters())), "repa" in state))
-    except (ValueError, KeyError) as e:
-        raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
-    return int(state["step"])
 
 
 def load_data(cfg: DictConfig, accelerator: Accelerator, start_micro_step: int, accum: int):
@@ -352,13 +355,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
     accelerator, t = run.accelerator, cfg.train
     model_params, ema_params = list(run.model.parameters()), list(run.ema.parameters())
     stop = StopSignal()
-    run.loss_sum = torch.zeros((), device=accelerator.device)
-    run.bad_step = torch.full((), -1, dtype=torch.long, device=accelerator.device)
-    run.steps_since_log, run.t_log = 0, time.time()
-    step = run.step
-    if step >= t.max_steps and accelerator.is_main_process:
-        print(f"run {cfg.run_name} is already complete at step {step}; raise train.max_steps, or start over "
-              f"with resume=false or a new run_name")
+    step, run.steps_since_log, run.t_log = run.step, 0, time.time()
     bar = Progress(t.max_steps, step, accelerator.is_main_process)
     try:
         while step < t.max_steps:
