@@ -77,9 +77,10 @@ def run(cfg, seeds: list) -> None:
     from data.decoders import decoder_for
     from evaluations.digits_classifier import class_accuracy
     from training import checkpoint as ckpt
-    from tread_utils.distributed import start_processes
+    from tread_utils.distributed import check_cuda_processes, start_processes
     from tread_utils.files import check_output_path
     from tread_utils.precision import set_precision_policy
+    check_cuda_processes()
 
     class_labels = cfg.class_labels
     out = check_output_path(cfg.out, ".npz", "out")

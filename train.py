@@ -66,6 +66,8 @@ def main(cfg: DictConfig):
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
     try:  # before any side effect
         check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        from tread_utils.distributed import check_cuda_processes  # loads torch: only for a valid config
+        check_cuda_processes()
     except UserError as e:
         return refuse_job(cfg, str(e), run_dir)
     lock = RunLock(run_dir, cfg.lock_stale_minutes) if int(os.environ.get("RANK", 0)) == 0 else None

@@ -204,7 +204,7 @@ def test_names_the_schema_allows_are_the_registries():
     import generation
     import routing_module
     from evaluations import digits_classifier, inception
-    from training.diffuser import DIFFUSERS
+    from training.checkpoint import DIFFUSERS
     from training.repa_teachers import TEACHERS
 
     assert set(S.DIFFUSER_NAMES) == set(DIFFUSERS) and set(S.DATASET_KINDS) == set(data.DATASETS)

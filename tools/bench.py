@@ -41,7 +41,7 @@ from tools.bench_evaluation import (IMAGENET_LATENT, bench_evaluator, bench_metr
 from tools.bench_loader import add_loader_args, bench_loader
 from tools.paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
 from training.flops import training_step_flops
-from training.optimizer import build_adamw
+from training.loop import build_adamw
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.precision import precision_policy, set_precision_policy

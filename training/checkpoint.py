@@ -1,4 +1,5 @@
-"""Checkpoints: written atomically, loaded without arbitrary pickle, checked against the model.
+"""Checkpoints: written atomically, loaded without arbitrary pickle, checked against the model; and the
+objective a checkpoint's `diffuser` config names (the denoiser wrapper sampling rebuilds, and its loss).
 
 A checkpoint is one file `checkpoints/ckpt_{step:08d}.pt` holding the model and EMA weights, the
 optimizer (and grad scaler) state, the step, every rank's RNG states and the run's resolved config.
@@ -18,7 +19,8 @@ import torch
 from omegaconf import OmegaConf
 
 from dit import get_model
-from training.diffuser import build_denoiser
+from edm import EDMLoss, EDMPrecond
+from rectified_flow import FlowPrecond, RFLoss
 from training.exported import read_export
 from tread_utils.errors import UserError
 from tread_utils.hub import is_exported_folder
@@ -26,6 +28,31 @@ from tread_utils.files import atomic_write, atomic_write_text
 
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 PREFIXES = ("_orig_mod.", "module.")
+
+# diffuser.name -> (denoiser(model, cfg), loss(cfg)). Both denoisers follow EDM's convention
+# `net(x, sigma, labels)`, so samplers and guidance wrappers work unchanged for either objective.
+DIFFUSERS = {
+    "edm": (lambda model, d: EDMPrecond(model, sigma_data=d.get("sigma_data", 0.5)),
+            lambda d: EDMLoss(P_mean=d.P_mean, P_std=d.P_std, sigma_data=d.sigma_data)),
+    "rf": (lambda model, d: FlowPrecond(model),
+           lambda d: RFLoss(P_mean=d.P_mean, P_std=d.P_std)),
+}
+
+
+def _diffuser(diffuser_cfg):
+    name = diffuser_cfg.get("name", "edm")
+    if name not in DIFFUSERS:
+        raise UserError(f"unknown diffuser {name!r}; choose one of {', '.join(DIFFUSERS)} (diffuser=...)")
+    return DIFFUSERS[name]
+
+
+def build_denoiser(diffuser_cfg, model):
+    return _diffuser(diffuser_cfg)[0](model, diffuser_cfg)
+
+
+def build_objective(diffuser_cfg, model):
+    """(the denoiser around `model`, `loss_fn(net, images, labels)` -> per-element losses)."""
+    return build_denoiser(diffuser_cfg, model), _diffuser(diffuser_cfg)[1](diffuser_cfg)
 
 
 def checkpoint_path(ckpt_dir, step: int) -> Path:
