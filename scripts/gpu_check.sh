@@ -79,7 +79,7 @@ if [ $DRY = 1 ]; then
   PYTEST_CPU=(--collect-only -m "not cuda") PYTEST_CUDA=(--collect-only -m cuda)
   TRAIN=("+model.params.depth=4" "+model.params.hidden_size=32" "+model.params.num_heads=2"
          train.general.batch_size=16 train.general.num_workers=0 train.logging.tensorboard=false
-         train.eval.fid_num_samples=16 train.eval.batch_size=16)
+         train.eval.fid_num_samples=128 train.eval.batch_size=64 train.eval.sampler.num_steps=2)
   ROUTE=(model.params.routes.0.start_layer_idx=1 model.params.routes.0.end_layer_idx=2)
   TRAIN_STEPS=4 TRAIN_COMPILE=false SAMPLES=8 DEVICE=cpu
 else
