@@ -195,6 +195,7 @@ def test_fid_section_decodes_in_batches_of_64_and_compiles_one_batch_shape(monke
     fid, = result["fid"]
     assert decoded == [(64, 64), (3, 64)]
     assert fid["padded_samples"] == 65 and fid["graphs"] == 1 and fid["frames"] == 1  # no recompile for 1 sample
+    assert 0 < fid["sampling_first_batch_s"] < fid["sampling_s"]
     log = capsys.readouterr().out
     for stage in ("sampling", "decoding", "features", "statistics", "distance"):
         assert f"{stage} done in" in log

@@ -94,9 +94,12 @@ class Progress:
 
     def __init__(self, label, every=5.0):
         self.label, self.every, self.t0, self.last = label, every, time.perf_counter(), -math.inf
+        self.first = None  # seconds to the first report: the first batch, compilation included
 
     def __call__(self, done, total, unit="images"):
         now = time.perf_counter()
+        if self.first is None:
+            self.first = now - self.t0
         if done >= total or now - self.last >= self.every:
             self.last = now
             print(f"  {self.label}: {done}/{total} {unit}, {now - self.t0:.1f} s", flush=True)
@@ -282,10 +285,17 @@ def bench_training_fid(args, device, dtype, save=lambda rows: None, compile_fn=N
         rows.append(row)
         label = f"in-training FID {backbone}, {args.fid_samples} samples"
         counters.clear()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            latents, _ = run_stage(row, "sampling", label, lambda: save(rows), lambda: sample_latents(
-                net, seeds, args.fid_batch, device, sampler, pad=args.fid_compile, progress=Progress("sampling")))
+        progress = Progress("sampling")
+
+        def sampling():
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                out = sample_latents(net, seeds, args.fid_batch, device, sampler, pad=args.fid_compile,
+                                     progress=progress)
             sync(device)
+            row["sampling_first_batch_s"] = progress.first  # with --fid-compile, compilation happens here
+            return out
+
+        latents, _ = run_stage(row, "sampling", label, lambda: save(rows), sampling)
         if args.fid_compile:
             row.update(graphs=int(counters["stats"]["unique_graphs"]), frames=int(counters["frames"]["total"]))
         images = run_stage(row, "decoding", label, lambda: save(rows), lambda: decode_all(
