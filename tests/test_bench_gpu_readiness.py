@@ -177,7 +177,7 @@ def test_padded_sampling_gives_generates_latents():
 
     _, want_labels = generate(net, range(5), sampler_kwargs=dict(name="edm", num_steps=2), decoder=Recording(),
                               batch_size=3, progress=False)
-    assert [len(x) for x in decoded] == [3, 2] and latents.shape == (5, 4, 32, 32)
+    assert sum(len(x) for x in decoded) == 5 and latents.shape == (5, 4, 32, 32)  # decoded per image on a CPU
     torch.testing.assert_close(latents, torch.cat(decoded), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(labels.numpy(), want_labels)
 

@@ -48,7 +48,7 @@ ONE_GPU = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; to
 
 
 @pytest.mark.parametrize("script, args", [("train.py", ["results_dir={tmp}", *tiny_overrides("dit")]),
-                                          ("sample.py", ["ckpt=none.pt", "out={tmp}/samples.npz"])])
+                                          ("sample.py", ["ckpt=none.pt", "num_samples=2", "out={tmp}/samples.npz"])])
 def test_entry_points_refuse_two_processes_on_one_gpu(tmp_path, script, args):
     env = {**subprocess_env(), "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     proc = subprocess.run([sys.executable, "-c", ONE_GPU, str(REPO / script),
