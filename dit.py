@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
 from timm.layers import Mlp, PatchEmbed
 from torch.utils.checkpoint import checkpoint
 
@@ -24,6 +25,7 @@ from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
 from routing_module import TokenRouter, resolve_routes
 from tread_utils.errors import UserError
+from tread_utils.hub import WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_weights
 
 
 class TimestepEmbedder(nn.Module):
@@ -119,7 +121,8 @@ def sincos_pos_embed_2d(embed_dim, grid_size):
     return torch.from_numpy(emb).float()
 
 
-class DiT(nn.Module):
+class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusion", "tread", "dit"],
+          paper_url="https://arxiv.org/abs/2501.04765"):
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28, num_heads=16,
                  mlp_ratio=4.0, num_classes=1000, enable_routing=False, routes=None, qk_norm=False,
                  fp32_after_route=True, grad_checkpointing=False, block_type="attention", init="official"):
@@ -199,6 +202,27 @@ class DiT(nn.Module):
                         run_block=self._run_block, force_keep=force_keep, fusions=self.fusions,
                         drop_deep_path=drop_deep_path, tap=repa_tap)
         return self.unpatchify(self.final_layer(x, c))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """An exported model (`python -m tools.export`): a local folder (offline), or a Hub repository id (through
+        the Hub cache). Keyword arguments override the config, e.g. `routes=[], enable_routing=False` for an
+        unrouted model from a TREAD export. `save_pretrained(DIR)` and `push_to_hub(REPO_ID)` write the same layout."""
+        with hub_errors_as_user_errors(pretrained_model_name_or_path):
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id, revision, cache_dir, force_download, local_files_only, token,
+                         map_location="cpu", strict=True, config=None, **model_kwargs):
+        # the mixin's own loader falls back to a pickled file and accepts missing keys: safetensors only, exact
+        model_file(model_id, "config.json", revision=revision, cache_dir=cache_dir, force_download=force_download,
+                   local_files_only=local_files_only, token=token)
+        weights = model_file(model_id, WEIGHTS_NAME, revision=revision, cache_dir=cache_dir,
+                             force_download=force_download, local_files_only=local_files_only, token=token)
+        model = cls(**model_kwargs)
+        model._hub_mixin_config = {**(config or {}), **model_kwargs}  # save/push_to_hub keep the "tread" entry
+        load_exact(model, read_weights(weights), model_id)
+        return model.to(map_location).eval()
 
 
 def block_classes():

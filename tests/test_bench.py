@@ -117,7 +117,7 @@ def test_a_paper_code_computing_another_function_is_detected(tmp_path):
     assert paper_output_difference(perturbed, "DiT-T/8") > 1e-2
 
 
-def test_bench_suite_section_times_the_evaluator_and_reads_its_peak_memory(tmp_path, monkeypatch):
+def test_bench_suite_section_times_the_evaluator_and_reads_its_peak_memory(tmp_path, monkeypatch, capsys):
     """The suite section writes ADM-layout random batches, runs the evaluator CLI on them in its measuring
     wrapper and reads the wrapper's peak-memory line. The evaluator itself runs end to end in
     test_evaluator_cli (its two 2048-dim matrix square roots take a minute on 2 cores), so here the wrapper
@@ -131,12 +131,21 @@ def test_bench_suite_section_times_the_evaluator_and_reads_its_peak_memory(tmp_p
     assert len(peak) == 1 and float(peak[0].split()[1]) > 10
     seen = {}
 
-    def child(cmd, **kwargs):
-        ref, samples = cmd[3:5]
-        seen.update(cmd=cmd, shapes=[np.load(f)["arr_0"].shape for f in (ref, samples)])
-        return subprocess.CompletedProcess(cmd, 0, "", f"FID: 1.0\n{peak[0]}\n")
+    class Child:
+        """The evaluator's process as bench_suite reads it: output lines, then an exit code."""
 
-    monkeypatch.setattr(bench_evaluation.subprocess, "run", child)
+        def __init__(self, cmd, **kwargs):
+            ref, samples = cmd[3:5]
+            seen.update(cmd=cmd, kwargs=kwargs, shapes=[np.load(f)["arr_0"].shape for f in (ref, samples)])
+            self.stdout, self.returncode = iter(["samples:  50%|#####     | 4/8\n", "FID: 1.0\n", peak[0] + "\n"]), 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(bench_evaluation.subprocess, "Popen", Child)
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench", "--sections", "suite", "--suite-samples", "8", "--suite-ref", "4",
                                       "--suite-batch", "4", "--tmp-dir", str(tmp_path), "--out", str(out)])
@@ -145,9 +154,13 @@ def test_bench_suite_section_times_the_evaluator_and_reads_its_peak_memory(tmp_p
     bench.main()
     assert seen["shapes"] == [(4, 256, 256, 3), (8, 256, 256, 3)]
     assert seen["cmd"][:3] == [sys.executable, "-c", bench_evaluation._MEASURED_EVALUATOR]
-    assert seen["cmd"][5:-1] == ["--random-init", "--no-progress", "--batch-size", "4", "--device"]
+    assert seen["cmd"][5:-1] == ["--random-init", "--batch-size", "4", "--device"]  # progress relayed, not hidden
+    assert seen["kwargs"]["stderr"] == subprocess.STDOUT and seen["kwargs"]["env"]["PYTHONUNBUFFERED"] == "1"
     suite, = json.loads(out.read_text())["suite"]
     assert suite["samples"] == 8 and suite["seconds"] > 0 and suite["peak_host_mb"] == float(peak[0].split()[1])
+    assert suite["stages_done"] == ["writing", "evaluator"] and suite["writing_s"] > 0
+    relayed = capsys.readouterr().out
+    assert "  evaluator: samples:  50%" in relayed and "  evaluator: FID: 1.0" in relayed
     assert list(tmp_path.glob("tmp*")) == []  # the random batches are removed
     assert "ADM suite" in out.with_suffix(".md").read_text()
 
@@ -185,6 +198,7 @@ def test_bench_metric_and_fid_sections_time_each_stage(tmp_path, monkeypatch, ca
     fid, = result["fid"]
     assert fid["samples"] == 2 and min(fid[k] for k in ("sampling_s", "decoding_s", "features_s")) > 0
     assert fid["seconds"] >= fid["sampling_s"] + fid["decoding_s"] + fid["features_s"]
+    assert fid["stages_done"] == ["sampling", "decoding", "features", "statistics", "distance"]
     md = out.with_suffix(".md").read_text()
     assert "ADM metric stage alone" in md and "In-training FID" in md
 

@@ -12,7 +12,7 @@ from dit import get_model
 from edm import EDMLoss, EDMPrecond
 from generation import generate
 from training import checkpoint as ckpt
-from training.optimizer import build_adamw
+from training.loop import build_adamw
 from tread_utils.precision import precision_policy, set_precision_policy
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

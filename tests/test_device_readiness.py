@@ -7,7 +7,7 @@ import torch
 
 from conftest import REPO
 from training import checkpoint as ckpt
-from training.optimizer import build_adamw
+from training.loop import build_adamw
 
 
 class FakeCuda:

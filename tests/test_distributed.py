@@ -1,8 +1,10 @@
-"""Processes: the process-group timeout, CPU threads on every device, and the feature pass spread over
-the ranks (one process, and two gloo processes forked from this one)."""
+"""Processes: more processes than GPUs refused, the process-group timeout, CPU threads on every device, and
+the feature pass spread over the ranks (one process, and two gloo processes forked from this one)."""
 import datetime
 import multiprocessing
 import os
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -15,8 +17,45 @@ from evaluations.distributed_features import compute_features_distributed, rank_
 from evaluations.features import compute_features
 from evaluations.metrics import RunningStatistics, feature_statistics
 from generation import generate
-from tread_utils.distributed import gather_rows, set_cpu_threads, start_processes
+from conftest import REPO, assert_one_line_error, subprocess_env, tiny_overrides
+from tread_utils.distributed import check_cuda_processes, gather_rows, set_cpu_threads, start_processes
 from tread_utils.errors import UserError
+
+
+def fake_gpus(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
+    fake_gpus(monkeypatch, 1)
+    with pytest.raises(UserError, match=r"2 processes per node but 1 CUDA device\(s\) visible.*--num_processes.*"
+                                        r"CUDA_VISIBLE_DEVICES"):
+        check_cuda_processes(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # what torchrun tells each process
+    with pytest.raises(UserError, match="3 processes per node"):
+        check_cuda_processes()
+    check_cuda_processes(1)
+    fake_gpus(monkeypatch, 4)
+    check_cuda_processes()
+    fake_gpus(monkeypatch, 0)  # no GPU (or CUDA hidden): the processes share the CPU
+    check_cuda_processes(8)
+
+
+# As `python -c`: the entry point under a torch that reports one GPU, as rank 0 of two processes on this node.
+ONE_GPU = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 1; "
+           "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("script, args", [("train.py", ["results_dir={tmp}", *tiny_overrides("dit")]),
+                                          ("sample.py", ["ckpt=none.pt", "num_samples=2", "out={tmp}/samples.npz"])])
+def test_entry_points_refuse_two_processes_on_one_gpu(tmp_path, script, args):
+    env = {**subprocess_env(), "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", ONE_GPU, str(REPO / script),
+                           *(a.format(tmp=tmp_path) for a in args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc, "2 processes per node but 1 CUDA device(s) visible", "--num_processes")
+    assert not any(tmp_path.iterdir()), "refused before anything is written"
 
 
 def test_every_process_group_gets_the_configured_timeout():

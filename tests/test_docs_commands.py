@@ -375,12 +375,13 @@ def train_jobs(overrides: list, multirun: bool) -> list:
 
 
 def local_stand_ins(cfg, root: Path) -> list:
-    """Each absolute path of `cfg` that exists only on a cluster (/data/...) set to an empty local stand-in
-    under `root` (a file if it has a suffix, else a folder); returns the cluster paths."""
+    """Each path of `cfg` that exists only on a cluster (/data/...) or is made by an earlier command on the page
+    (a relative run or export folder) set to an empty local stand-in under `root` (a file if it has a suffix,
+    else a folder); returns those paths."""
     replaced = []
     for key in ("dataset.train_path", "init_from", "train.eval.ref_batch", "train.eval.inception_weights"):
         value = OmegaConf.select(cfg, key)
-        if isinstance(value, str) and value.startswith("/") and not Path(value).exists():
+        if isinstance(value, str) and not Path(value).exists():
             local = root / value.lstrip("/")
             local.parent.mkdir(parents=True, exist_ok=True)
             if local.suffix:
@@ -468,7 +469,7 @@ def test_documented_command_runs_as_written(command):
     ("python train.py model.params.routes.0.end_layer_idx=4,6", "without -m"),
     ("python -m tools.no_such_tool --out x", "no module tools.no_such_tool"),
     ("python fid.py calc --images a.npz --ref b.npz --feature-network digits", "--feature-network"),
-    ("python sample.py ckpt=run cfg=1.5", "unknown option 'cfg'"),
+    ("python sample.py ckpt=run cfg=1.5", "unknown config key cfg"),
     ("python train.py model=treadx", "treadx"),
     ("for e in 4 12; do python train.py model.params.routes.0.end_layer_idx=$e; done", "end_layer_idx=12"),
     ("STEPS=9 scripts/no_such_script.sh", "no script scripts/no_such_script.sh"),

@@ -101,7 +101,7 @@ def test_flow_sampler_through_the_denoiser_view_matches_the_velocity():
 
 
 def flow_cfg_samples(model, seeds, num_steps, scale):
-    """The reference for sample.py's `sampler=flow cfg_scale=...` on a digits rf run, written out: per-seed
+    """The reference for sample.py's `sampler.name=flow cfg_scale=...` on a digits rf run, written out: per-seed
     noise then label, Heun on dx/dt = v_u + scale (v_c - v_u) from t = 1 - 1e-3 (the denoiser view's largest
     t) to 0 with an Euler last step, in float64; pixels round((x + 1) * 127.5)."""
     noise, labels = [], []
@@ -130,7 +130,7 @@ def test_rf_checkpoint_samples_with_the_flow_sampler(tmp_path):
     run_script("train.py", f"results_dir={tmp_path}", "run_name=rf", "diffuser=rf", *tiny_overrides("tread"),
                "train.max_steps=2", "train.ckpt_every=2", "train.optimizer.lr=1e-2", check=True)
     out = tmp_path / "s.npz"
-    run_script("sample.py", f"ckpt={tmp_path / 'rf'}", "num_samples=4", f"out={out}", "sampler=flow",
+    run_script("sample.py", f"ckpt={tmp_path / 'rf'}", "num_samples=4", f"out={out}", "sampler.name=flow",
                "sampler.num_steps=4", "cfg_scale=1.5", check=True)
     with np.load(out) as f:
         images, labels = f["arr_0"], f["arr_1"]

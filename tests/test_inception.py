@@ -176,7 +176,7 @@ def test_missing_weights_offline_is_one_clear_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv(inception.OFFLINE_ENV, "1")
     with pytest.raises(UserError) as info:
-        load_inception(device="cpu")
+        load_inception(device="cpu", weights_option="--weights PATH")  # the caller's spelling, named by the error
     msg = str(info.value)
     assert "\n" not in msg
     for part in (inception.WEIGHTS_FILENAME, inception.WEIGHTS_URL, "--weights", inception.WEIGHTS_ENV):

@@ -72,7 +72,7 @@ def test_foreach_ema_matches_the_formula():
 
 
 def test_training_optimizer_is_fused_and_matches_the_reference_adamw():
-    from training.optimizer import build_adamw, fused_adamw_available
+    from training.loop import build_adamw, fused_adamw_available
 
     a, b = tiny(), tiny()
     opt_fast = build_adamw(a.parameters(), lr=1e-3, weight_decay=0.01)

@@ -197,6 +197,21 @@ def test_not_yet_measured_is_still_unmeasured():
     assert not list(PERF.glob("h100_training*")) and not list(PERF.glob("h100_eval*"))
 
 
+def test_diffusers_table_is_the_benchmark_json():
+    bench = json.loads((PERF / "diffusers_cpu.json").read_text())
+    runs = {r["arch"]: r for r in bench["rows"]}
+    rows = table(README, "| architecture | unrouted step (ms) |")
+    assert {row["architecture"] for row in rows} == set(runs)
+    for row in rows:
+        run = runs[row["architecture"]]
+        assert_close(row["unrouted step (ms)"], run["unrouted_step_s"] * 1000, f"{run['arch']} unrouted step")
+        assert_close(row["routed step (ms)"], run["routed_step_s"] * 1000, f"{run['arch']} routed step")
+        assert_close(row["speed-up"], run["speedup"], f"{run['arch']} speed-up")
+        assert_close(row["FLOP bound"], run["flop_bound"], f"{run['arch']} FLOP bound")
+        assert_close(row["speed-up / bound"], run["speedup_vs_bound"], f"{run['arch']} speed-up / bound")
+    assert "python -m tools.bench_diffusers --out docs/perf/diffusers_cpu.json" in README
+
+
 # ------------------------------------------------------------------------------------------------------
 # docs/performance.md's CPU tables: docs/perf/cpu.json
 
@@ -260,7 +275,15 @@ PROSE = {
     "400K": ("the ImageNet preset's steps", lambda: imagenet().train.max_steps),
     "50K": ("the ImageNet preset's evaluation interval; ADM's 50K samples", lambda: imagenet().train.eval.eval_interval),
     "5K": ("the ImageNet preset's FID sample count", lambda: imagenet().train.eval.fid_num_samples),
+    "0.42": ("the diffusers version apply_tread is tested on", lambda: tested_diffusers()),
 }
+
+
+def tested_diffusers() -> float:
+    from backbones.diffusers_tread import TESTED_DIFFUSERS
+
+    assert len(TESTED_DIFFUSERS) == 1, "the README names one tested diffusers version"
+    return float(TESTED_DIFFUSERS[0])
 
 
 def prose(text: str) -> str:

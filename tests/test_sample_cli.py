@@ -86,7 +86,7 @@ def sample_here(capsys, *args):
     capsys.readouterr()
     code = 0
     try:
-        sample.main([*map(str, args), *FAST])
+        sample.main([*FAST, *map(str, args)])  # the case's own options last: Hydra applies them in order
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
@@ -185,7 +185,7 @@ def test_guidance_equals_generate_on_the_explicit_wrappers(cli_runs, newest, tmp
 
 def test_seed_lists_keep_their_order_and_fixed_class(cli_runs, newest, tmp_path, capsys):
     out, _ = cli_runs
-    ok(sample_here(capsys, f"ckpt={newest}", "seeds=7,3,8-9", "batch_size=3", f"out={tmp_path}/a.npz"))
+    ok(sample_here(capsys, f"ckpt={newest}", "seeds='7,3,8-9'", "batch_size=3", f"out={tmp_path}/a.npz"))
     ok(sample_here(capsys, f"ckpt={newest}", "seeds=[7,3,8,9]", "class_labels=5", f"out={tmp_path}/b.npz"))
     ref, a, b = load_npz(out / "ref.npz"), load_npz(tmp_path / "a.npz"), load_npz(tmp_path / "b.npz")
     np.testing.assert_array_equal(a["arr_0"], ref["arr_0"][[7, 3, 8, 9]])
@@ -229,9 +229,15 @@ def bad_cases(trained_run, newest, tmp_path_factory):
         "out_dir_missing": ([f"ckpt={newest}", f"out={root}/no/such/dir/s.npz"], "does not exist"),
         "out_under_a_file": ([f"ckpt={newest}", f"out={root}/a_file/s.npz"], "not a directory"),
         "grid_dir_missing": ([f"ckpt={newest}", f"grid={root}/nodir/g.png"], "grid"),
-        "unknown_sampler": ([f"ckpt={newest}", "sampler=rk4"], "unknown sampler"),
+        "unknown_sampler": ([f"ckpt={newest}", "sampler.name=rk4"], "unknown sampler"),
+        "sampler_as_a_value": ([f"ckpt={newest}", "sampler=euler"], "sampler.name=euler"),
         "unknown_setting": ([f"ckpt={newest}", "+sampler.steps=3"], "steps"),
-        "unknown_option": ([f"ckpt={newest}", "sampler.stepz=3"], "unknown option"),
+        "unknown_option": ([f"ckpt={newest}", "sampler.stepz=3"], "unknown config key sampler.stepz"),
+        "unknown_flag": ([f"ckpt={newest}", "--vae", f"{root}/vae"], "vae=DIR"),
+        "zero_batch": ([f"ckpt={newest}", "batch_size=0"], "batch_size"),
+        "zero_grid_images": ([f"ckpt={newest}", "grid_images=0"], "grid_images"),
+        "negative_class": ([f"ckpt={newest}", "class_labels=-1"], "class_labels"),
+        "no_ckpt": ([], "ckpt is required"),
         "setting_of_other_sampler": ([f"ckpt={newest}", "sampler.solver=euler"], "solver"),
         "bad_class": ([f"ckpt={newest}", "class_labels=10"], "class_labels"),
     }
@@ -240,8 +246,9 @@ def bad_cases(trained_run, newest, tmp_path_factory):
 
 BAD_CASES = ["missing", "garbage", "truncated", "no_ckpt_in_dir", "zero_samples", "bad_seeds", "count_mismatch",
              "cfg_without_dropout", "routing_without_routes", "out_dir_missing", "out_under_a_file",
-             "grid_dir_missing", "unknown_sampler", "unknown_setting", "unknown_option", "setting_of_other_sampler",
-             "bad_class"]
+             "grid_dir_missing", "unknown_sampler", "sampler_as_a_value", "unknown_setting", "unknown_option",
+             "unknown_flag", "setting_of_other_sampler", "bad_class", "zero_batch", "zero_grid_images",
+             "negative_class", "no_ckpt"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -332,3 +339,21 @@ def test_check_output_path_and_atomic_writers(tmp_path):
     assert data["arr_1"].dtype == np.int64 and np.array_equal(data["arr_0"], images)
     generation.save_image_grid(tmp_path / "g.png", images, max_images=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz", "g.png", "s.npz"]
+
+
+def test_a_group_given_a_value_is_one_line_on_a_schema_base(tmp_path):
+    """With the schema as the config's base (registered in Hydra's ConfigStore), Hydra itself refuses
+    `sampler=euler`: the line names the setting that works, as without that base."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from training.config_check import hydra_error_line
+    from training.config_schema import SampleSchema
+
+    ConfigStore.instance().store(name="sample_schema_base_test", node=SampleSchema)
+    (tmp_path / "s.yaml").write_text("defaults:\n  - sample_schema_base_test\n  - _self_\nckpt: x\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        with pytest.raises(HydraException) as info:
+            compose("s", overrides=["sampler=euler", "sampler.num_steps=3"])
+    line = hydra_error_line(info.value, SampleSchema)
+    assert line.startswith("sampler=euler: sampler is a group of settings") and "e.g. sampler.name=euler" in line

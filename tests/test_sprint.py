@@ -173,7 +173,7 @@ def test_in_training_eval_scores_path_drop_guidance_and_refuses_it_without_sprin
     from evaluations.features import compute_features
     from generation import build_guided_net, generate
     from training.config_check import check_train_config
-    from training.diffuser import build_denoiser
+    from training.checkpoint import build_denoiser
     from training.in_training_eval import TrainingEvaluator
 
     def cfg_of(*overrides):

@@ -1,11 +1,6 @@
 """train.py end to end: configs, loss falls, exact resume after kill -9, signals, 2 processes, bad input."""
-import json
-import os
 import random
-import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -15,12 +10,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from training.checkpoint import list_checkpoints, load_checkpoint
-from conftest import REPO, assert_one_line_error, run_script, subprocess_env, tiny_overrides
+from conftest import REPO, assert_one_line_error, run_script, tiny_overrides
+from train_runs import assert_bit_identical, final_state, read_metrics, records, run_train, start_train, wait_train
 from dit import get_model
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("model_name, routed", [("dit", False), ("tread", True)])
@@ -51,38 +43,22 @@ def test_embedded_training_lowers_the_loss(tmp_path):
     assert (tmp_path / "fall" / "config.yaml").exists() and (tmp_path / "fall" / "tensorboard").is_dir()
 
 
-def final_state(run_dir):
-    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1][1])
-
-
-def assert_bit_identical(a, b):
-    assert a["step"] == b["step"]
-    for key in ("model", "ema"):
-        for name in a[key]:
-            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name}"
-    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
-        for k in pa:
-            assert torch.equal(pa[k], pb[k]), k
-    assert torch.equal(a["rng"][0]["torch"], b["rng"][0]["torch"]), "the training random stream"
-
-
 def train_args(tmp_path, run_name, steps=120):
-    return [sys.executable, str(REPO / "train.py"), f"results_dir={tmp_path}", f"run_name={run_name}",
-            *tiny_overrides("tread"), f"train.max_steps={steps}", "train.ckpt_every=20",
-            "train.logging.log_interval=10"]
+    return [f"results_dir={tmp_path}", f"run_name={run_name}", *tiny_overrides("tread"), f"train.max_steps={steps}",
+            "train.ckpt_every=20", "train.logging.log_interval=10"]
 
 
 def start_and_kill_after_checkpoint(tmp_path, run_name, sig, ckpt_step=40):
-    proc = subprocess.Popen(train_args(tmp_path, run_name), cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Start a 100,000-step run, so it cannot end before the signal, and send `sig` once the checkpoint of
+    `ckpt_step` exists."""
+    proc = start_train(*train_args(tmp_path, run_name, steps=100_000))
     target = tmp_path / run_name / "checkpoints" / f"ckpt_{ckpt_step:08d}.pt"
-    deadline = time.time() + 120
+    deadline = time.time() + 240
     while not target.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
+        time.sleep(0.05)
+    assert proc.poll() is None, wait_train(proc, expect=None).stderr[-3000:]
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
-    return proc.returncode, out, err
+    return wait_train(proc, expect=128 + sig, timeout=120)
 
 
 # Exact resume with in-training evaluation ON, as every real run has it: the model's default digits config
@@ -104,17 +80,10 @@ def uninterrupted(tmp_path_factory):
 
     def get(model):
         if model not in runs:
-            run_script("train.py", *resume_args(model, root, model), check=True)
+            run_train(*resume_args(model, root, model))
             runs[model] = root / model
         return runs[model]
     return get
-
-
-def records(run_dir, key):
-    """{step: value} of one metric; each step must be logged once."""
-    found = [(r["step"], r[key]) for r in read_metrics(run_dir) if key in r]
-    assert len({step for step, _ in found}) == len(found), f"{key} logged twice for a step: {found}"
-    return dict(found)
 
 
 # (where the SIGKILL lands, step): inside step 22, after the checkpoint and evaluation of step 20 (the resumed
@@ -122,12 +91,12 @@ def records(run_dir, key):
 @pytest.mark.parametrize("model", ["dit", "tread"])
 @pytest.mark.parametrize("when, step", [("mid_step", 22), ("after_checkpoint", 20)])
 def test_kill9_resume_is_bit_identical(tmp_path, uninterrupted, model, when, step):
-    killed = run_script("tests/train_killed_at.py", when, step, *resume_args(model, tmp_path, "killed"))
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_train(when, step, *resume_args(model, tmp_path, "killed"), script="tests/train_killed_at.py",
+              expect=-signal.SIGKILL)
     assert final_state(tmp_path / "killed")["step"] == 20
     evaluated_20 = 20 in records(tmp_path / "killed", "fid")
     assert evaluated_20 == (when == "mid_step"), "the kill landed where intended"
-    resumed = run_script("train.py", *resume_args(model, tmp_path, "killed"), check=True)
+    resumed = run_train(*resume_args(model, tmp_path, "killed"))
     assert "resuming from" in resumed.stdout and "at step 20" in resumed.stdout
     straight = uninterrupted(model)
     assert_bit_identical(final_state(straight), final_state(tmp_path / "killed"))
@@ -148,7 +117,7 @@ def test_logged_throughput_leaves_out_evaluations_inside_a_log_interval(tmp_path
 
 @pytest.mark.parametrize("model", ["dit", "tread"])
 def test_evaluation_does_not_change_training(tmp_path, uninterrupted, model):
-    run_script("train.py", *resume_args(model, tmp_path, "no_eval", "train.eval.eval_interval=0"), check=True)
+    run_train(*resume_args(model, tmp_path, "no_eval", "train.eval.eval_interval=0"))
     assert not records(tmp_path / "no_eval", "fid") and records(uninterrupted(model), "fid")
     assert_bit_identical(final_state(uninterrupted(model)), final_state(tmp_path / "no_eval"))
 
@@ -160,8 +129,7 @@ def test_evaluation_puts_back_every_random_stream_it_draws_from(tmp_path, monkey
     from accelerate import Accelerator
 
     from training import in_training_eval
-    from training.checkpoint import capture_rng_state
-    from training.diffuser import build_denoiser
+    from training.checkpoint import build_denoiser, capture_rng_state
 
     sample = in_training_eval.generate
 
@@ -186,14 +154,12 @@ def test_evaluation_puts_back_every_random_stream_it_draws_from(tmp_path, monkey
 
 
 def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path):
-    code, out, _ = start_and_kill_after_checkpoint(tmp_path, "term", signal.SIGTERM, ckpt_step=20)
-    assert code == 128 + signal.SIGTERM, out
+    out = start_and_kill_after_checkpoint(tmp_path, "term", signal.SIGTERM, ckpt_step=20).stdout
     step = final_state(tmp_path / "term")["step"]
     assert "stopped by signal" in out and f"at step {step}" in out and step >= 20
     assert not (tmp_path / "term" / "run.lock").exists(), "a run stopped by a signal releases its lock"
-    subprocess.run(train_args(tmp_path, "term"), cwd=REPO, env=subprocess_env(), check=True, capture_output=True,
-                   timeout=300)
-    assert final_state(tmp_path / "term")["step"] == 120
+    resumed = run_train(*train_args(tmp_path, "term", steps=step + 20))
+    assert f"at step {step}" in resumed.stdout and final_state(tmp_path / "term")["step"] == step + 20
 
 
 def test_resume_false_moves_the_old_run_aside(tmp_path):
@@ -213,16 +179,9 @@ def test_two_processes_log_one_reduced_loss(tmp_path):
     (gradients are averaged), the logged loss is the mean over ranks and steps of the ranks' own losses, and
     in an epoch the ranks see disjoint samples that together cover the whole dataset (1500 digits, 6 global
     batches of 250: the run is one epoch)."""
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
-    # accelerate's `--cpu` starts one process unless MPI is installed; `--multi_gpu` starts two through
-    # torchrun, and with no GPU train.py joins them on the CPU with gloo.
-    proc = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                           "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "tests/train_traced.py"),
-                           f"results_dir={tmp_path}", "run_name=ddp", *tiny_overrides("tread"),
-                           "train.general.batch_size=250", "train.max_steps=6", "train.ckpt_every=6",
-                           "train.logging.log_interval=3"],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_train(f"results_dir={tmp_path}", "run_name=ddp", *tiny_overrides("tread"), "train.general.batch_size=250",
+              "train.max_steps=6", "train.ckpt_every=6", "train.logging.log_interval=3",
+              script="tests/train_traced.py", processes=2)
     logged = read_metrics(tmp_path / "ddp")
     assert [r["step"] for r in logged] == [3, 6], "rank 0 alone writes, once per log step"
     assert all(r["world_size"] == 2 for r in logged)
@@ -267,7 +226,8 @@ def test_bad_config_is_one_clear_line(tmp_path, overrides, needle):
 
 
 def test_truncated_or_foreign_checkpoint_is_refused_and_untouched(tmp_path):
-    assert bad(tmp_path, "run_name=c").returncode == 0
+    first = bad(tmp_path, "run_name=c")
+    assert first.returncode == 0, first.stderr[-3000:]
     newest = list_checkpoints(tmp_path / "c" / "checkpoints")[-1][1]
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])

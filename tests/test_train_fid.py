@@ -16,7 +16,7 @@ from PIL import Image
 from conftest import REPO, command, run_script, subprocess_env, tiny_overrides
 from dit import get_model
 from training.checkpoint import capture_rng_state
-from training.diffuser import build_denoiser
+from training.checkpoint import build_denoiser
 from training.in_training_eval import TrainingEvaluator
 
 

@@ -2,14 +2,13 @@
 through train.py, stopped by SIGINT and resumed."""
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import REPO, TINY_MODEL, TINY_ROUTE, subprocess_env, tiny_overrides
+from conftest import REPO, TINY_MODEL, TINY_ROUTE, tiny_overrides
+from train_runs import run_train, start_train, wait_train
 from training import loop
 from training.checkpoint import list_checkpoints, load_checkpoint
 
@@ -52,45 +51,46 @@ def test_grad_clip_bounds_the_gradient_the_optimizer_steps_with(tmp_path, monkey
     assert abs(stepped_norm.item() - clip) < 1e-4 * clip
 
 
-def compiled_run(tmp_path):
+COMPILED = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager", "TORCH_LOGS": "dynamo"}
+
+
+def compiled_run_args(tmp_path, steps):
     """train.py with train.compile=true, bf16 and grad_clip. Dynamo's backend is overridden to `eager`
-    (TORCH_COMPILE_OVERRIDE_BACKENDS): inductor's C++ build of this model takes ~5 minutes on a 2-core CPU;
-    the inductor path is covered on a GPU by tests/test_cuda.py. TORCH_LOGS=dynamo shows the tracing."""
-    args = [sys.executable, str(REPO / "train.py"), f"results_dir={tmp_path}", "run_name=sig",
-            *tiny_overrides("tread"), "train.compile=true", "train.mixed_precision=bf16",
-            "train.optimizer.grad_clip=1.0", "train.max_steps=12", "train.ckpt_every=2",
-            "train.logging.log_interval=2", "train.general.num_workers=0"]
-    env = {**subprocess_env(), "TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager", "TORCH_LOGS": "dynamo"}
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (TORCH_COMPILE_OVERRIDE_BACKENDS, in COMPILED): inductor's C++ build of this model takes ~5 minutes on a
+    2-core CPU; the inductor path is covered on a GPU by tests/test_cuda.py. TORCH_LOGS=dynamo shows the
+    tracing."""
+    return [f"results_dir={tmp_path}", "run_name=sig", *tiny_overrides("tread"), "train.compile=true",
+            "train.mixed_precision=bf16", "train.optimizer.grad_clip=1.0", f"train.max_steps={steps}",
+            "train.ckpt_every=2", "train.logging.log_interval=2", "train.general.num_workers=0"]
 
 
 def test_compiled_bf16_run_stops_cleanly_on_sigint_and_resumes(tmp_path):
     """SIGINT after the first checkpoint: exit code 130 (no KeyboardInterrupt traceback), a checkpoint of the
     step it stopped at (plain parameter names, no grad scaler under bf16), status `stopped`, the lock released;
-    the same command resumes from that step, compiled again, and finishes."""
+    the same command resumes from that step, compiled again, and finishes. The run is 100,000 steps long, so
+    however slowly the test polls it cannot end before the signal; the resumed run stops 4 steps later."""
     run_dir = tmp_path / "sig"
-    proc = compiled_run(tmp_path)
+    proc = start_train(*compiled_run_args(tmp_path, 100_000), env=COMPILED)
     deadline = time.time() + 240
     while not (run_dir / "checkpoints" / "ckpt_00000002.pt").exists() and time.time() < deadline \
             and proc.poll() is None:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
+        time.sleep(0.05)
+    assert proc.poll() is None, wait_train(proc, expect=None).stderr[-3000:]
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    stopped = wait_train(proc, expect=128 + signal.SIGINT, timeout=120)
+    out, err = stopped.stdout, stopped.stderr
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "torchdynamo start tracing forward" in err and "dit.py" in err, "the model ran compiled"
     (step, path), = list_checkpoints(run_dir / "checkpoints")[-1:]
-    assert 2 <= step < 12 and f"stopped by signal {int(signal.SIGINT)} at step {step}" in out, out
+    assert step >= 2 and f"stopped by signal {int(signal.SIGINT)} at step {step}" in out, out
     state = load_checkpoint(path)
     assert state["step"] == step and state["scaler"] is None
     assert not any(k.startswith("_orig_mod.") for k in state["model"]), "saved from the uncompiled module"
     assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
     assert not (run_dir / "run.lock").exists()
 
-    proc = compiled_run(tmp_path)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert f"resuming from {path} at step {step}" in out and "torchdynamo start tracing forward" in err
-    assert list_checkpoints(run_dir / "checkpoints")[-1][0] == 12
+    resumed = run_train(*compiled_run_args(tmp_path, step + 4), env=COMPILED, timeout=300)
+    assert f"resuming from {path} at step {step}" in resumed.stdout
+    assert "torchdynamo start tracing forward" in resumed.stderr
+    assert list_checkpoints(run_dir / "checkpoints")[-1][0] == step + 4
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"

@@ -2,7 +2,8 @@
 
     python -m tools.bench --backbones DiT-S/2 DiT-B/2 --batch-sizes 8 --compile both --paper-code ../tread \
         --out docs/perf/cpu.json
-    python -m tools.bench --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile --sections training  # one GPU
+    python -m tools.bench --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile --fp32-after-route both \
+        --sections training  # one GPU
     python -m tools.bench --backbones DiT-B/2 --dtype bf16 --sections fid suite   # FID-5K, ADM suite on 50K
 
 Sections (`--sections`): training (below); sampling (EDM Heun images/s and network evaluations per
@@ -19,128 +20,98 @@ The route is 2 -> depth-4 at ratio 0.5 (2 -> 8 for 12 blocks, 2 -> 24 for DiT-XL
 With `--paper-code DIR` (a clone of github.com/CompVis/tread, never copied here) the paper's own DiT
 is timed in the same run on the same model, batch and data, after checking that it computes our
 function (tools/paper_code.py). Each variant is built, compiled and timed alone (the others freed, dynamo
-reset), so its peak memory is its own and no compiled variant can fall back to eager unnoticed.
+reset), so its peak memory is its own and no compiled variant can fall back to eager unnoticed; a variant
+that runs out of memory is recorded as such (`"oom": true` with its batch and micro-batch) and the next one
+runs. `--micro-batch` accumulates gradients (DiT-L/2 and DiT-XL/2 do by default above 128), `--grad-checkpointing`
+recomputes each block's forward (MFU counts model FLOPs; HFU adds the recomputation), `--fp32-after-route
+both` times TREAD with and without the authors' float32 block after the route, `--compile-mode` picks
+torch.compile's mode.
 """
 import argparse
 import contextlib
 import functools
-import gc
 import json
-import statistics
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
 
 from dit import DiT_models, get_model
 from edm import EDMLoss, EDMPrecond, edm_sampler
 from edm.guidance import ClassifierFreeGuidance, NFECounter
 from tools.bench_evaluation import (IMAGENET_LATENT, bench_evaluator, bench_metrics, bench_suite, bench_training_fid,
-                                    peak_rss_mb, sync)
+                                    sync)
 from tools.bench_loader import add_loader_args, bench_loader
+from tools.bench_timing import matmul_ceiling, time_or_out_of_memory
+from tools.bench_tables import (loader_table, metrics_table, sampling_table, suite_table, training_fid_table,
+                                training_table)
 from tools.paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
 from training.flops import training_step_flops
-from training.optimizer import build_adamw
+from training.loop import build_adamw
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.precision import precision_policy, set_precision_policy
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def matmul_ceiling(device, dtype, size=None, min_seconds=0.5, trials=3) -> float:
-    """Achieved FLOP/s of a large square matmul, the practical peak of this device: the best of `trials`
-    timings, each repeated until at least `min_seconds` of work is timed (CUDA events on a GPU), after a
-    warm-up. One timing on a CPU whose clock or neighbours vary can come out low (a CPU table once showed
-    MFU above 100%); the best of several is the ceiling's estimate, and CPU tables mark MFU as indicative."""
-    size = size or (8192 if device.type == "cuda" else 1024)
-    dt = dtype or torch.float32
-    a, b = torch.randn(size, size, device=device, dtype=dt), torch.randn(size, size, device=device, dtype=dt)
-    for _ in range(3):
-        a @ b
-    best = 0.0
-    for _ in range(trials):
-        iters, seconds = 1, 0.0
-        while seconds < min_seconds:
-            iters *= 2
-            seconds = timed(device, lambda: [a @ b for _ in range(iters)])
-        best = max(best, 2 * size ** 3 * iters / seconds)
-    return best
+# Micro-batch by default for global batches above this: DiT-XL/2 at batch 256 in one pass needs about 82 GiB
+# (compiled, bf16) against an 80 GB GPU's 79; two micro-batches of 128 fit (DiT-L/2 is close to the limit eager).
+AUTO_MICRO_BATCH = {"DiT-L/2": 128, "DiT-XL/2": 128}
 
 
-def timed(device, fn) -> float:
-    """Seconds `fn()` takes: CUDA events on a GPU (no host clock in the way), the host clock elsewhere."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def micro_batch_for(args, backbone, batch) -> int:
+    """`--micro-batch`, or by default the largest divisor of `batch` within AUTO_MICRO_BATCH's cap."""
+    if args.micro_batch is not None:
+        return args.micro_batch
+    cap = min(batch, AUTO_MICRO_BATCH.get(backbone, batch))
+    return max(d for d in range(1, cap + 1) if batch % d == 0)
 
 
-def peak_memory_mb(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    return peak_rss_mb()
-
-
-def model_params(backbone, routed, ratio=0.5):
+def model_params(backbone, routed, ratio=0.5, fp32_after_route=True, grad_checkpointing=False):
     routes = [dict(start_layer_idx=2, end_layer_idx=-4, selection_ratio=ratio)]
-    return dict(IMAGENET_LATENT, enable_routing=routed, routes=routes)
+    return dict(IMAGENET_LATENT, enable_routing=routed, routes=routes, fp32_after_route=fp32_after_route,
+                grad_checkpointing=grad_checkpointing)
 
 
-def training_step(model, batch, device, dtype, context=contextlib.nullcontext):
-    """A closure running one full training step of `model` (EDM loss, backward, AdamW) on fixed data."""
+def training_step(model, batch, device, dtype, context=contextlib.nullcontext, micro_batch=None):
+    """A closure running one full training step of `model` on fixed data: EDM loss and backward over
+    `batch // micro_batch` micro-batches (gradients accumulated, each loss scaled so the sum is the batch
+    mean), then one AdamW step."""
     net, loss_fn = EDMPrecond(model), EDMLoss()
     optimizer = build_adamw([p for p in model.parameters() if p.requires_grad])
-    x = torch.randn(batch, 4, 32, 32, device=device)
-    y = torch.randint(0, 1000, (batch,), device=device)
+    micro_batch = micro_batch or batch
+    x = torch.randn(batch, 4, 32, 32, device=device).split(micro_batch)
+    y = torch.randint(0, 1000, (batch,), device=device).split(micro_batch)
 
     def step():
-        with context():
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = loss_fn(net, x, y).mean()
-            loss.backward()
+        for xm, ym in zip(x, y):
+            with context():
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = loss_fn(net, xm, ym).mean() / len(x)
+                loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
 
 
-def time_alone(build, steps, warmup, device) -> dict:
-    """Builds one variant with every other one freed, warms it up (compilation happens here), then times
-    `steps` steps: median seconds per step, peak memory of this variant alone, and what dynamo did (reset
-    first, so a compiled variant can never fall back to eager on an earlier variant's recompile limit)."""
-    torch._dynamo.reset()
-    counters.clear()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    step = build()
-    for _ in range(warmup):
-        step()
-    sync(device)
-    compiled = dict(frames=int(counters["frames"]["total"]), graphs=int(counters["stats"]["unique_graphs"]),
-                    graph_breaks=int(sum(counters["graph_break"].values())))
-    times = [timed(device, step) for _ in range(steps)]
-    compiled["recompiles_while_timed"] = int(counters["frames"]["total"]) - compiled["frames"]
-    result = dict(step_s=statistics.median(times), peak_mem_mb=peak_memory_mb(device), **compiled)
-    del step
-    gc.collect()
-    return result
+def compile_model(model, args, **kwargs):
+    """torch.compile with the bench's --compile-backend and --compile-mode (the trainer's defaults unless given)."""
+    options = dict(backend=args.compile_backend, **kwargs)
+    if args.compile_mode != "default":
+        options["mode"] = args.compile_mode
+    return torch.compile(model, **options)
 
 
-def our_model(backbone, routed, device, mode):
+def our_model(args, backbone, routed, device, mode, fp32_after_route=True):
     torch.manual_seed(0)
-    model = get_model(backbone, model_params(backbone, routed)).to(device).train()
-    return torch.compile(model) if mode == "compiled" else model
+    params = model_params(backbone, routed, fp32_after_route=fp32_after_route,
+                          grad_checkpointing=args.grad_checkpointing)
+    model = get_model(backbone, params).to(device).train()
+    return compile_model(model, args) if mode == "compiled" else model
 
 
 def paper_twin(paper_dit, backbone, ours, routed):
@@ -165,61 +136,101 @@ def paper_output_difference(paper_dit, backbone):
         return (ours(x, t, y) - theirs(x, t, y)).abs().max().item()
 
 
+FP32_AFTER_ROUTE = {"on": [True], "off": [False], "both": [True, False]}
+
+
 def training_variants(args):
-    """(code, mode) pairs to time: ours eager and/or compiled, the paper's as published and/or eager."""
+    """(code, mode, model, fp32_after_route) to time: ours eager and/or compiled, the paper's as published
+    and/or eager; `dit`, then `tread` with the float32 block after its route on and/or off (the paper's
+    code has it on, its authors' numerics; None where no route ends)."""
     ours = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}[args.compile]
-    return [("ours", m) for m in ours] + [("paper", m) for m in (args.paper_modes if args.paper_code else [])]
+    modes = [("ours", m) for m in ours] + [("paper", m) for m in (args.paper_modes if args.paper_code else [])]
+    return [(code, mode, model, fp32) for code, mode in modes
+            for model, fp32 in [("dit", None)] + [("tread", f) for f in FP32_AFTER_ROUTE[args.fp32_after_route]]
+            if code == "ours" or fp32 in (None, True)]
 
 
-def variant_builder(args, paper_dit, backbone, routed, code, mode, batch, device, dtype):
+def variant_builder(args, paper_dit, backbone, code, mode, model_name, fp32, batch, micro_batch, device, dtype):
+    routed = model_name == "tread"
+
     def build():
         if code == "ours":
-            model, context = our_model(backbone, routed, device, mode), contextlib.nullcontext
+            model = our_model(args, backbone, routed, device, mode, fp32_after_route=fp32 is not False)
+            context = contextlib.nullcontext
         else:
-            ours = our_model(backbone, routed, "cpu", "eager")  # same initial weights
+            ours = our_model(args, backbone, routed, "cpu", "eager")  # same initial weights
             model = paper_twin(paper_dit, backbone, ours, routed).to(device).train()
             context = functools.partial(eager_context, mode == "eager")
-        return training_step(model, batch, device, dtype, context)
+        return training_step(model, batch, device, dtype, context, micro_batch)
 
     return build
 
 
-def bench_training(args, device, dtype, ceiling, paper_dit=None):
+def step_flops(args, backbone, batch):
+    """{routed: (model FLOPs of forward + backward over the whole batch, FLOPs recomputed by activation
+    checkpointing)}, counted by torch.utils.flop_counter (the recomputed forward is the difference between
+    the count with checkpointing and without)."""
+    flops = {}
+    for routed in (False, True):
+        model = training_step_flops(backbone, model_params(backbone, routed), batch, routing=routed)
+        executed = training_step_flops(backbone, model_params(backbone, routed, grad_checkpointing=True), batch,
+                                       routing=routed) if args.grad_checkpointing else model
+        flops[routed] = (model, executed - model)
+    return flops
+
+
+def bench_training(args, device, dtype, ceiling, paper_dit=None, save=lambda rows: None):
     rows = []
     for backbone in args.backbones:
         paper_diff = paper_output_difference(paper_dit, backbone) if paper_dit else None
         if paper_dit:
             print(f"{backbone}: paper code vs ours, max |output difference| {paper_diff:.2e}", flush=True)
         for batch in args.batch_sizes:
-            flops = {routed: training_step_flops(backbone, model_params(backbone, routed), batch, routing=routed)
-                     for routed in (False, True)}
-            sec = {}
-            for code, mode in training_variants(args):
-                for routed in (False, True):
-                    build = variant_builder(args, paper_dit, backbone, routed, code, mode, batch, device, dtype)
-                    measured = time_alone(build, args.steps, args.warmup, device)
-                    if mode == "compiled" and measured["graphs"] == 0:
-                        raise RuntimeError(f"{backbone} {code} {mode}: dynamo compiled no graph (eager fallback)")
-                    sec[code, mode, routed] = s = measured["step_s"]
-                    rows.append(dict(backbone=backbone, batch=batch, code=code, mode=mode,
-                                     model="tread" if routed else "dit", images_per_s=batch / s,
-                                     flops_per_step=flops[routed], mfu=flops[routed] / s / ceiling, **measured))
-                    if code == "paper":
-                        rows[-1]["max_abs_output_difference"] = paper_diff
-                    print(f"{backbone} batch {batch} {code} {mode} {'tread' if routed else 'dit'}: "
-                          f"{s * 1e3:.1f} ms, MFU {flops[routed] / s / ceiling:.1%}, "
-                          f"{measured['peak_mem_mb'] / 1024:.1f} GiB, {measured['graphs']} graph(s), "
-                          f"{measured['recompiles_while_timed']} recompile(s) while timed", flush=True)
-            bound = flops[False] / flops[True]
-            for row in rows:
-                if row["backbone"] == backbone and row["batch"] == batch and row["model"] == "tread":
-                    speedup = sec[row["code"], row["mode"], False] / row["step_s"]
-                    row.update(flop_bound=bound, speedup=speedup, speedup_vs_bound=speedup / bound)
-                    print(f"{backbone} batch {batch} {row['code']} {row['mode']}: speed-up {speedup:.3f}x, "
-                          f"FLOP bound {bound:.3f}x, ratio {speedup / bound:.3f}", flush=True)
-    order = {v: i for i, v in enumerate(training_variants(args))}
-    rows.sort(key=lambda r: (args.backbones.index(r["backbone"]), r["batch"], order[r["code"], r["mode"]]))
+            micro_batch = micro_batch_for(args, backbone, batch)
+            flops = step_flops(args, backbone, batch)
+            first = len(rows)
+            for code, mode, model_name, fp32 in training_variants(args):
+                routed = model_name == "tread"
+                build = variant_builder(args, paper_dit, backbone, code, mode, model_name, fp32, batch, micro_batch,
+                                        device, dtype)
+                measured = time_or_out_of_memory(build, args.steps, args.warmup, device)
+                row = dict(backbone=backbone, batch=batch, micro_batch=micro_batch, code=code, mode=mode,
+                           model=model_name, fp32_after_route=fp32, **measured)
+                name = (f"{backbone} batch {batch} (micro-batch {micro_batch}) {code} {mode} {model_name}"
+                        f"{'' if fp32 is not False else ' bf16-after-route'}")
+                if code == "paper":
+                    row["max_abs_output_difference"] = paper_diff
+                rows.append(row)
+                if measured.get("oom"):
+                    print(f"{name}: out of memory ({measured['error']}); freed, going on", flush=True)
+                    save(rows)
+                    continue
+                if mode == "compiled" and measured["graphs"] == 0:
+                    raise RuntimeError(f"{backbone} {code} {mode}: dynamo compiled no graph (eager fallback)")
+                s, (model_flops, recomputed) = measured["step_s"], flops[routed]
+                row.update(images_per_s=batch / s, flops_per_step=model_flops, mfu=model_flops / s / ceiling)
+                if args.grad_checkpointing:
+                    row.update(recomputed_flops_per_step=recomputed, hfu=(model_flops + recomputed) / s / ceiling)
+                hfu = f" (HFU, recomputed forward included, {row['hfu']:.1%})" if "hfu" in row else ""
+                print(f"{name}: {s * 1e3:.1f} ms, MFU {row['mfu']:.1%}{hfu}, "
+                      f"{measured['peak_mem_mb'] / 1024:.1f} GiB, {measured['graphs']} graph(s), "
+                      f"{measured['recompiles_while_timed']} recompile(s) while timed", flush=True)
+                save(rows)
+            add_speedups(rows[first:], flops[False][0] / flops[True][0])
+            save(rows)
     return rows
+
+
+def add_speedups(rows, bound):
+    """TREAD's measured speed-up (the `dit` step of the same code and mode over its own) next to the FLOP bound."""
+    dense = {(r["code"], r["mode"]): r["step_s"] for r in rows if r["model"] == "dit" and not r.get("oom")}
+    for row in rows:
+        if row["model"] == "tread" and not row.get("oom") and (row["code"], row["mode"]) in dense:
+            speedup = dense[row["code"], row["mode"]] / row["step_s"]
+            row.update(flop_bound=bound, speedup=speedup, speedup_vs_bound=speedup / bound)
+            print(f"{row['backbone']} batch {row['batch']} {row['code']} {row['mode']}"
+                  f"{'' if row['fp32_after_route'] is not False else ' bf16-after-route'}: speed-up {speedup:.3f}x, "
+                  f"FLOP bound {bound:.3f}x, ratio {speedup / bound:.3f}", flush=True)
 
 
 GUIDANCE = {"unguided": None, "cfg": dict(scale=1.5), "cfg+interval": dict(scale=1.5, interval=(0.28, 5.42))}
@@ -253,86 +264,21 @@ def bench_sampling(args, device, dtype):
     return rows
 
 
-def markdown_table(rows, device_name, dtype_name, ceiling):
-    memory = ("peak memory per variant" if "CPU" not in device_name else
-              "peak memory is the process's peak RSS so far, not per variant; MFU on a CPU is indicative only "
-              "(the ceiling of a shared CPU varies from run to run; above 100% means it was under-measured)")
-    lines = [f"Device: {device_name}, {dtype_name}, matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (measured); {memory}.",
-             "",
-             "| backbone | batch | code | mode | model | step (ms) | images/s | peak mem (MB) | GFLOP/step | MFU | "
-             "speed-up | FLOP bound | speed-up / bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        extra = (f"{r['speedup']:.3f}x | {r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f}" if "speedup" in r
-                 else " | | ")
-        lines.append(f"| {r['backbone']} | {r['batch']} | {r['code']} | {r['mode']} | {r['model']} | "
-                     f"{r['step_s'] * 1e3:.1f} | {r['images_per_s']:.1f} | {r['peak_mem_mb']:.0f} | "
-                     f"{r['flops_per_step'] / 1e9:.1f} | {r['mfu']:.1%} | {extra} |")
-    return "\n".join(lines) + paper_comparison_table(rows)
-
-
-def paper_comparison_table(rows):
-    """Our fastest step against the paper code's fastest, per backbone x batch x model (> 1: ours faster)."""
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["backbone"], r["batch"], r["model"]), {}).setdefault(r["code"], []).append(r)
-    lines = []
-    for (backbone, batch, model), by_code in groups.items():
-        if "paper" not in by_code or "ours" not in by_code:
-            continue
-        ours, paper = (min(by_code[c], key=lambda r: r["step_s"]) for c in ("ours", "paper"))
-        lines.append(f"| {backbone} | {batch} | {model} | {ours['step_s'] * 1e3:.1f} ({ours['mode']}) | "
-                     f"{paper['step_s'] * 1e3:.1f} ({paper['mode']}) | {paper['step_s'] / ours['step_s']:.2f}x | "
-                     f"{paper['max_abs_output_difference']:.1e} |")
-    if not lines:
-        return ""
-    return ("\n\nSame run, same model, batch and data: our fastest step against the paper code's fastest "
-            "(> 1x: ours is faster).\n\n| backbone | batch | model | ours (ms) | paper code (ms) | paper / ours | "
-            "max abs output difference |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines))
-
-
-def simple_table(header, rows, cells):
-    """Markdown: the `header` names, then one line of `cells(row)` strings per row."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(cells(r)) + " |" for r in rows])
-
-
-def sampling_table(rows):
-    return simple_table(("backbone", "guidance", "batch", "Heun steps", "images/s", "NFE/image"), rows, lambda r: (
-        r["backbone"], r["guidance"], str(r["batch"]), str(r["num_steps"]), f"{r['images_per_s']:.3f}",
-        f"{r['nfe_per_image']:.0f}"))
-
-
-def suite_table(rows):
-    return "ADM suite (`python -m evaluations.evaluator`, one process, start-up included):\n\n" + simple_table(
-        ("samples", "reference images", "batch", "seconds", "images/s", "peak host memory (MB)"), rows, lambda r: (
-            str(r["samples"]), str(r["reference"]), str(r["batch"]), f"{r['seconds']:.1f}",
-            f"{r['images_per_s']:.1f}", f"{r['peak_host_mb']:.0f}"))
-
-
-def metrics_table(rows):
-    return "ADM metric stage alone (random features, own process):\n\n" + simple_table(
-        ("samples", "reference", "seconds", "peak host memory (MB)"), rows, lambda r: (
-            str(r["samples"]), str(r["reference"]), f"{r['seconds']:.1f}", f"{r['peak_host_mb']:.0f}"))
-
-
-def training_fid_table(rows):
-    return ("In-training FID (EDM Heun, unguided; SD-VAE decoding; Inception; Frechet distance):\n\n" +
-            simple_table(("backbone", "samples", "Heun steps", "total (s)", "sampling (s)", "decoding (s)",
-                          "Inception (s)", "FID (s)"), rows, lambda r: (
-                r["backbone"], str(r["samples"]), str(r["heun_steps"]),
-                *(f"{r[k]:.1f}" for k in ("seconds", "sampling_s", "decoding_s", "features_s", "fid_s")))))
-
-
-def loader_table(rows):
-    return "Data loader alone:\n\n" + simple_table(("data", "workers", "batch", "samples/s", "first batch (s)"), rows,
-                                                     lambda r: (r["path"], str(r["workers"]), str(r["batch"]),
-                                                                f"{r['samples_per_s']:.0f}", f"{r['first_batch_s']:.2f}"))
-
-
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backbones", nargs="+", default=["DiT-S/2", "DiT-B/2"])
     parser.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[8])
+    parser.add_argument("--micro-batch", type=positive_int, default=None,
+                        help="training: accumulate gradients over micro-batches of this size up to each batch size "
+                             "(one AdamW step per batch; MFU counts the whole step). Default: the whole batch, except "
+                             f"{', '.join(f'{b} above {n}' for b, n in AUTO_MICRO_BATCH.items())} (micro-batches of "
+                             "at most that size), so batch 256 fits one 80 GB GPU")
+    parser.add_argument("--grad-checkpointing", action="store_true",
+                        help="training: activation checkpointing of every block (model.params.grad_checkpointing); "
+                             "MFU counts the model's FLOPs, HFU adds the recomputed forward")
+    parser.add_argument("--fp32-after-route", choices=sorted(FP32_AFTER_ROUTE), default="on",
+                        help="training: time tread with the block after its route in float32 (on, the authors' "
+                             "numerics, default), under autocast like the others (off), or both")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype")
@@ -340,12 +286,19 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--tf32", choices=["on", "off"], default="on", help="train.tf32 / sample.py tf32 (default on)")
     parser.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                         help="torch.compile our backbone (`--compile` = on; `both` times eager and compiled)")
+    parser.add_argument("--compile-mode", default="default",
+                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                        help="torch.compile mode of our backbone (training and --fid-compile; default: torch's)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend (default inductor; 'eager' traces with dynamo only, a quick "
+                             "check of the compiled path on a CPU)")
     parser.add_argument("--paper-code", type=Path, default=None,
                         help="folder of a clone of github.com/CompVis/tread: time the paper's DiT in the same run")
     parser.add_argument("--paper-modes", nargs="+", default=["published", "eager"], choices=["published", "eager"],
                         help="the paper's blocks with their @torch.compile (published) and/or run eagerly")
     parser.add_argument("--out", type=Path, default=None,
-                        help="write results as JSON here (and a .md beside it), rewritten after every section")
+                        help="write results as JSON here (and a .md beside it); the JSON is rewritten after every "
+                             "variant and stage, so a run cut short leaves what it measured")
     parser.add_argument("--sections", nargs="+", default=["training", "sampling", "evaluator"],
                         choices=["training", "sampling", "evaluator", "suite", "metrics", "fid", "loader"])
     parser.add_argument("--sample-batch", type=positive_int, default=8)
@@ -358,7 +311,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--tmp-dir", default=None, help="suite: where the random batches are written")
     parser.add_argument("--fid-samples", type=positive_int, default=5_000, help="fid: samples (train.eval default)")
     parser.add_argument("--fid-steps", type=positive_int, default=40, help="fid: EDM Heun steps")
-    parser.add_argument("--fid-batch", type=positive_int, default=256, help="fid: sampling / decoding / Inception batch")
+    parser.add_argument("--fid-batch", type=positive_int, default=256,
+                        help="fid: sampling and Inception batch (the VAE decodes at most 64 at a time)")
+    parser.add_argument("--fid-compile", action="store_true",
+                        help="fid: compile the backbone for one batch shape (the last batch padded)")
     parser.add_argument("--vae", default="random",
                         help="fid: 'random' (the SD-VAE architecture, random weights) or a diffusers repo id / folder")
     add_loader_args(parser)
@@ -366,14 +322,30 @@ def build_parser() -> ArgumentParser:
 
 
 def parse_args(argv=None):
-    """The options, checked (backbones, suite sizes) before anything is timed."""
+    """The options, checked (backbones, suite sizes, micro-batches) before anything is timed."""
     args = build_parser().parse_args(argv)
     unknown = [b for b in args.backbones if b not in DiT_models]
     if unknown:
         raise UserError(f"unknown backbone(s) {', '.join(unknown)}; choose from {', '.join(DiT_models)}")
     if min(args.suite_samples, args.suite_ref) < 4:
         raise UserError("--suite-samples and --suite-ref must be >= 4 (precision/recall needs k + 1 = 4 images)")
+    uneven = [b for b in args.batch_sizes if args.micro_batch and b % args.micro_batch]
+    if uneven:
+        raise UserError(f"--micro-batch {args.micro_batch} does not divide batch size(s) {uneven}; pass a divisor of "
+                        f"every --batch-sizes value")
+    if args.grad_checkpointing and args.paper_code:
+        raise UserError("--grad-checkpointing applies to our model only (the paper's code has no such switch); "
+                        "time the paper's code in a run without it")
     return args
+
+
+def write_record(out, result, tables=None):
+    """The JSON record (and the markdown tables, when given) as they stand."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        if tables is not None:
+            out.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
 
 
 @report_user_errors
@@ -389,28 +361,44 @@ def main():
     ceiling = matmul_ceiling(device, dtype)
     print(f"{device_name}: matmul ceiling {ceiling / 1e12:.3f} TFLOP/s ({args.dtype})", flush=True)
     result = dict(device=device_name, dtype=args.dtype, matmul_ceiling=ceiling, torch=torch.__version__,
-                  precision=precision_policy())
+                  precision=precision_policy(), compile_mode=args.compile_mode, compile_backend=args.compile_backend,
+                  grad_checkpointing=args.grad_checkpointing)
     sections = {
-        "training": (lambda: bench_training(args, device, dtype, ceiling, paper_dit),
-                     lambda rows: markdown_table(rows, device_name, args.dtype, ceiling)),
-        "sampling": (lambda: bench_sampling(args, device, dtype), sampling_table),
-        "evaluator": (lambda: bench_evaluator(args, device),
+        "training": (lambda save: bench_training(args, device, dtype, ceiling, paper_dit, save),
+                     lambda rows: training_table(rows, device_name, args.dtype, ceiling, args.grad_checkpointing)),
+        "sampling": (lambda save: bench_sampling(args, device, dtype), sampling_table),
+        "evaluator": (lambda save: bench_evaluator(args, device),
                       lambda rows: f"Evaluator (Inception features): {rows[0]['images_per_s']:.1f} images/s"),
-        "suite": (lambda: bench_suite(args, device), suite_table),
-        "metrics": (lambda: bench_metrics(args, device), metrics_table),
-        "fid": (lambda: bench_training_fid(args, device, dtype), training_fid_table),
-        "loader": (lambda: bench_loader(args), loader_table),
+        "suite": (lambda save: bench_suite(args, device, save), suite_table),
+        "metrics": (lambda save: bench_metrics(args, device), metrics_table),
+        "fid": (lambda save: bench_training_fid(args, device, dtype, save,
+                                                functools.partial(compile_model, args=args, dynamic=False)),
+                training_fid_table),
+        "loader": (lambda save: bench_loader(args), loader_table),
     }
     tables = []
     for name in args.sections:
         run, table = sections[name]
-        result[name] = run()
+
+        def save(rows, name=name):
+            result[name] = rows
+            write_record(args.out, result)
+
+        try:
+            save(run(save))
+        except UserError:
+            raise
+        except Exception as e:  # recorded; the other sections still run
+            traceback.print_exc()
+            result.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
+            print(f"section {name} failed ({type(e).__name__}); its partial record is kept, going on", flush=True)
+            write_record(args.out, result, tables)
+            continue
         tables.append(table(result[name]))
-        if args.out:  # partial results survive a later section's failure or a lost machine
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2))
-            args.out.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
+        write_record(args.out, result, tables)
     print("\n\n".join(tables))
+    if "failed" in result:
+        sys.exit(f"failed section(s): {', '.join(result['failed'])}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from data.batch_sampler import ResumableBatchSampler
 from data.shard_writer import ShardWriter, check_writable
 from data.shards import LatentShardDataset
-from tread_utils.files import non_negative_int, positive_int
+from tread_utils.cli import non_negative_int, positive_int
 
 
 def add_loader_args(parser):

@@ -20,7 +20,7 @@ from data.digits import load_digits_split
 from evaluations.digits_classifier import (RESOLUTION, class_accuracy, digits_reference_statistics, evaluate_digits,
                                            load_digits_classifier)
 from tread_utils.errors import exit_with
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "IS"), ("precision", "precision"),
            ("recall", "recall"), ("class_acc", "class_acc"))

@@ -22,7 +22,7 @@ from training.checkpoint import load_sampling_net, resolve_checkpoint
 from training.flops import guidance_flops, sampling_forward_flops
 from training.in_training_eval import TrainingEvaluator
 from tread_utils.errors import UserError, exit_with
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 METRICS = ("fid", "class_acc", "nn_ratio")
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from data.vae import SD_VAE_SCALE
 from tread_utils.errors import report_user_errors
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 # stabilityai/sd-vae-ft-ema's config.json (diffusers AutoencoderKL), keys that differ from the defaults.
 SD_VAE_CONFIG = dict(in_channels=3, out_channels=3, latent_channels=4, sample_size=256, layers_per_block=2,

@@ -29,7 +29,7 @@ import routing_module
 from dit import get_model
 from edm import EDMLoss, EDMPrecond, edm_sampler
 from tools.paper_code import exec_module, build_paper_model, eager_context, load_our_weights, load_paper_dit
-from training.optimizer import build_adamw
+from training.loop import build_adamw
 from tread_utils.errors import UserError, report_user_errors
 
 # Largest differences accepted in float32 on a CPU (relative for the loss and the gradients, absolute for

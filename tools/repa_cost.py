@@ -16,7 +16,7 @@ import torch
 from dit import get_model
 from training.flops import training_step_flops
 from training.repa_teachers import build_teacher, teacher_forward_flops
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 RESOLUTION, LATENT = 256, 32

@@ -25,7 +25,7 @@ from data.digits import load_digits_split
 from data.images import latents_to_uint8
 from evaluations.digits_classifier import WEIGHTS_PATH, DigitsClassifier, accuracy
 from tread_utils.errors import UserError, report_user_errors
-from tread_utils.files import ArgumentParser, positive_int
+from tread_utils.cli import ArgumentParser, positive_int
 
 MIN_ACCURACY = 0.97
 

@@ -1,9 +1,12 @@
-"""Checkpoints: written atomically, loaded without arbitrary pickle, checked against the model.
+"""Checkpoints: written atomically, loaded without arbitrary pickle, checked against the model; and the
+objective a checkpoint's `diffuser` config names (the denoiser wrapper sampling rebuilds, and its loss).
 
 A checkpoint is one file `checkpoints/ckpt_{step:08d}.pt` holding the model and EMA weights, the
 optimizer (and grad scaler) state, the step, every rank's RNG states and the run's resolved config.
 The data position is the step itself (see `data.ResumableBatchSampler`). `checkpoints/latest`
 names the newest file. `load_sampling_net` turns a checkpoint into the EMA denoiser that sampling uses.
+Wherever a run is accepted (sampling, init_from), a folder written by `python -m tools.export` is too: it
+reads as a checkpoint holding only the EMA weights (training/exported.py; safetensors, nothing unpickled).
 """
 import contextlib
 import os
@@ -16,12 +19,40 @@ import torch
 from omegaconf import OmegaConf
 
 from dit import get_model
-from training.diffuser import build_denoiser
+from edm import EDMLoss, EDMPrecond
+from rectified_flow import FlowPrecond, RFLoss
+from training.exported import read_export
 from tread_utils.errors import UserError
+from tread_utils.hub import is_exported_folder
 from tread_utils.files import atomic_write, atomic_write_text
 
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 PREFIXES = ("_orig_mod.", "module.")
+
+# diffuser.name -> (denoiser(model, cfg), loss(cfg)). Both denoisers follow EDM's convention
+# `net(x, sigma, labels)`, so samplers and guidance wrappers work unchanged for either objective.
+DIFFUSERS = {
+    "edm": (lambda model, d: EDMPrecond(model, sigma_data=d.get("sigma_data", 0.5)),
+            lambda d: EDMLoss(P_mean=d.P_mean, P_std=d.P_std, sigma_data=d.sigma_data)),
+    "rf": (lambda model, d: FlowPrecond(model),
+           lambda d: RFLoss(P_mean=d.P_mean, P_std=d.P_std)),
+}
+
+
+def _diffuser(diffuser_cfg):
+    name = diffuser_cfg.get("name", "edm")
+    if name not in DIFFUSERS:
+        raise UserError(f"unknown diffuser {name!r}; choose one of {', '.join(DIFFUSERS)} (diffuser=...)")
+    return DIFFUSERS[name]
+
+
+def build_denoiser(diffuser_cfg, model):
+    return _diffuser(diffuser_cfg)[0](model, diffuser_cfg)
+
+
+def build_objective(diffuser_cfg, model):
+    """(the denoiser around `model`, `loss_fn(net, images, labels)` -> per-element losses)."""
+    return build_denoiser(diffuser_cfg, model), _diffuser(diffuser_cfg)[1](diffuser_cfg)
 
 
 def checkpoint_path(ckpt_dir, step: int) -> Path:
@@ -48,22 +79,27 @@ def save_checkpoint(state: dict, ckpt_dir, step: int) -> Path:
 
 
 def resolve_checkpoint(path) -> Path:
-    """A checkpoint file, or a run directory (or its checkpoints/ folder) -> its newest checkpoint."""
+    """A checkpoint file, or a run directory (or its checkpoints/ folder) -> its newest checkpoint; an exported
+    model folder -> itself."""
     path = Path(str(path)).expanduser()
-    if path.is_file():
+    if path.is_file() or is_exported_folder(path):
         return path
     if path.is_dir():
         for folder in (path / "checkpoints", path):
             found = list_checkpoints(folder)
             if found:
                 return found[-1][1]
-        raise UserError(f"{path} holds no checkpoints (expected {path}/checkpoints/ckpt_*.pt)")
-    raise UserError(f"checkpoint {path} does not exist (give a ckpt_*.pt file or a run directory)")
+        raise UserError(f"{path} holds no checkpoints (expected {path}/checkpoints/ckpt_*.pt, or config.json and "
+                        f"model.safetensors of an exported model)")
+    raise UserError(f"checkpoint {path} does not exist (give a ckpt_*.pt file, a run directory or an exported model)")
 
 
 def load_checkpoint(path) -> dict:
-    """Load with weights_only=True; a truncated or foreign file is refused with one clear line."""
+    """Load with weights_only=True; a truncated or foreign file is refused with one clear line. An exported
+    folder gives its EMA weights as `model` and `ema` (`training.exported.read_export`)."""
     path = Path(path)
+    if is_exported_folder(path):
+        return read_export(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist")
     try:

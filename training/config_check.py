@@ -78,6 +78,12 @@ def _doc(root, full_key: str) -> str:
     return f" ({found[0].metadata['doc']})" if found else ""
 
 
+def group_given_a_value(cls, key: str, value) -> UserError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    return UserError(f"{key}={value}: {key} is a group of settings ({', '.join(names)}); set them one by one, "
+                     f"e.g. {key}.{names[0]}={value}")
+
+
 def _walk_lists(cls, data, path: str, root):
     """OmegaConf loses the path of an error inside a list element: check schema lists element by element."""
     if not isinstance(data, dict):
@@ -85,6 +91,8 @@ def _walk_lists(cls, data, path: str, root):
     for name, tp in _field_types(cls).items():
         value, element = data.get(name), list_element(tp)
         if dataclasses.is_dataclass(tp):
+            if value is not None and not isinstance(value, dict):  # e.g. sampler=euler for sampler.name=euler
+                raise group_given_a_value(tp, f"{path}{name}", value)
             _walk_lists(tp, value, f"{path}{name}.", root)
         elif element is not None and dataclasses.is_dataclass(element) and isinstance(value, list):
             for i, item in enumerate(value):
@@ -266,14 +274,18 @@ def resolved(cfg) -> dict:
             from None
 
 
+def refuse_missing(merged, schema):
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        key = missing[0]
+        raise UserError(f"{key} is required{_doc(schema, key)}: set {key}=... on the command line")
+
+
 def check_train_config(cfg, world_size: int = 1):
     """The whole training config; returns it merged into the schema (types converted, defaults filled)."""
     data = resolved(cfg)
     merged = conform(S.ConfigSchema, data)
-    missing = sorted(OmegaConf.missing_keys(merged))
-    if missing:
-        key = missing[0]
-        raise UserError(f"{key} is required{_doc(S.ConfigSchema, key)}: set {key}=... on the command line")
+    refuse_missing(merged, S.ConfigSchema)
     for key, ok, allowed, fix in RANGES:
         check(merged, key, ok, allowed, fix)
     if merged.dataset.kind != "shards":
@@ -312,9 +324,23 @@ def check_repa(cfg, depth: int):
         dinov2_weights_file(r.encoder_weights)
 
 
+# (key, test, allowed, fix): single-key ranges of sample.py's options
+SAMPLE_RANGES = [
+    ("num_samples", lambda v: v is None or v >= 1, "null (one image per seed) or at least 1", "e.g. num_samples=500"),
+    ("batch_size", at_least(1), "at least 1 (per process)", "e.g. batch_size=64"),
+    ("class_labels", lambda v: v is None or v >= 0, "null (a random class per seed) or a class index >= 0",
+     "e.g. class_labels=3"),
+    ("grid_per_class", at_least(1), "at least 1", "e.g. grid_per_class=8"),
+    ("grid_images", at_least(1), "at least 1", "e.g. grid_images=64"),
+]
+
+
 def check_sample_config(cfg):
     """sample.py's options (configs/sample.yaml); its command checks the rest (seeds, paths, checkpoint)."""
     merged = conform(S.SampleSchema, resolved(cfg))
+    refuse_missing(merged, S.SampleSchema)
+    for key, ok, allowed, fix in SAMPLE_RANGES:
+        check(merged, key, ok, allowed, fix)
     check_sampler(merged, "sampler")
     check(merged, "guidance_interval", *GUIDANCE_INTERVAL, "e.g. guidance_interval=[0.3,5]")
     for key, example in (("weak_ratio", 0.7), ("strong_ratio", 0.3)):
@@ -323,18 +349,21 @@ def check_sample_config(cfg):
     return merged
 
 
-def hydra_error_line(e, root=S.ConfigSchema) -> str:
+def hydra_error_line(e, schema=S.ConfigSchema) -> str:
     """One line for an error Hydra raises while composing (a bad override, an unknown group option, a value
-    of the wrong type for the schema)."""
+    of the wrong type for the schema, a group of settings given one value)."""
     cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
     full_key = dotted(str(getattr(cause, "full_key", None) or ""))
     override = re.search(r"override '?([\w.]+)", str(e))
     if full_key and override and not (full_key.startswith(override[1]) or override[1].startswith(full_key)):  # inside a list given whole: its key
         full_key = f"{override[1]}.{full_key}"
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and full_key:
-        return str(unknown_key(root, full_key))
+        return str(unknown_key(schema, full_key))
+    group = schema_at(schema, full_key) if full_key else None
+    if group is not None and str(e).startswith("Error merging override"):  # a group given a value: sampler=euler
+        return str(group_given_a_value(group, full_key, str(e).partition("=")[2]))
     if isinstance(cause, ValidationError) and full_key:
         reason = str(getattr(cause, "msg", cause)).splitlines()[0]
-        return f"{full_key}: {reason}{_doc(root, full_key)}"
+        return f"{full_key}: {reason}{_doc(schema, full_key)}"
     text = str(e).split("Config search path")[0]
     return "configuration: " + " ".join(line.strip() for line in text.splitlines() if line.strip())

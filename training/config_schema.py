@@ -28,7 +28,7 @@ def key(doc: str, default=MISSING, factory=None):
 
 # Names the config may choose from, defined by code that imports torch; tests/test_config_schema.py checks
 # each against its registry, so the two cannot drift apart.
-DIFFUSER_NAMES = ("edm", "rf")                       # training.diffuser.DIFFUSERS
+DIFFUSER_NAMES = ("edm", "rf")                       # training.checkpoint.DIFFUSERS
 DATASET_KINDS = ("digits", "shards")                 # data.DATASETS
 SAMPLER_NAMES = ("ablation", "edm", "euler", "flow", "heun")  # generation.SAMPLERS
 # dataset.kind -> feature dimension of the in-training FID scorer (digits classifier, Inception pool_3):

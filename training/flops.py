@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dit import DiT_models, get_model
 from routing_module import num_kept, resolve_routes
+from training import config_schema  # noqa: F401  (stores the schema the YAML extends in Hydra's ConfigStore)
 from training.repa import projector_training_flops
 from training.repa_teachers import TEACHERS, teacher_forward_flops
 from tread_utils.errors import UserError, exit_with

@@ -54,7 +54,8 @@ SCORERS = {
     "digits": (lambda cfg, device: load_digits_classifier(device=device),
                lambda cfg, extractor: digits_reference_statistics(extractor)),
     "shards": (lambda cfg, device: load_inception(weights=cfg.train.eval.inception_weights, device=device,
-                                                  random_init=bool(cfg.train.eval.get("smoke", False))),
+                                                  random_init=bool(cfg.train.eval.get("smoke", False)),
+                                                  weights_option="train.eval.inception_weights=PATH"),
                inception_reference),
 }
 
@@ -85,7 +86,7 @@ class TrainingEvaluator:
         self.last_grid = None  # the newest grid's path, for the run's closing summary
         device = accelerator.device
         vae, vae_note = decoding_vae(cfg.dataset)  # the latents' own VAE (manifest.json) unless dataset.vae
-        self.decoder = decoder_for(cfg.dataset, vae=vae, device=device)
+        self.decoder = decoder_for(cfg.dataset, vae=vae, device=device, vae_option="dataset.vae=DIR")
         load_extractor, load_reference = SCORERS[cfg.dataset.kind]
         self.extractor = load_extractor(cfg, device)  # every process extracts the features of its own samples
         self.reference, self.memorisation = None, None

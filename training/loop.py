@@ -1,5 +1,6 @@
-"""The training loop, in labelled phases: set-up returns the run's state, the loop body updates weights,
-logs, saves snapshots and evaluates.
+"""The training loop, in labelled phases (edm2's order): `setup` starts the processes, builds the network,
+optimizer and data and resumes their state; each step of `training_loop` updates the weights and the EMA,
+then logs, saves a snapshot and evaluates when due.
 
 Restarting with the same run_name resumes from the newest checkpoint (model, EMA, optimizer, grad scaler,
 step, every rank's RNG state; the data position is the step). SIGTERM/SIGINT save a checkpoint first.
@@ -9,12 +10,14 @@ import copy
 import dataclasses
 import math
 import os
+import random
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
@@ -24,17 +27,32 @@ from data import ResumableBatchSampler, build_dataset, loader_workers
 from dit import get_model
 from training import checkpoint as ckpt
 from training.checkpoint_retention import prune_checkpoints
-from training.diffuser import build_denoiser, build_objective
-from training.flops import format_report, routing_flop_report
+from training.checkpoint import build_denoiser, build_objective
 from training.in_training_eval import TrainingEvaluator
-from training.optimizer import build_adamw
 from training.repa import build_repa, fit_optimizer_state, load_projector
-from training.progress import Progress, format_duration
-from training.run_dir import drop_redone_records, prepare_run_dir
-from training.run_log import MetricsLogger, format_metrics
+from training.progress import Progress
+from training.run_dir import prepare_run_dir
+from training.run_log import MetricsLogger, format_metrics, open_run_log, summary_line
 from tread_utils.distributed import set_cpu_threads, start_processes
 from tread_utils.errors import UserError
 from tread_utils.precision import set_precision_policy
+
+
+FUSED_DEVICE_TYPES = ("cuda", "cpu")  # devices with a fused AdamW kernel (the CPU's since torch 2.4, our oldest)
+
+
+def fused_adamw_available(device) -> bool:
+    return torch.device(device).type in FUSED_DEVICE_TYPES
+
+
+def build_adamw(params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    """AdamW, fused when every parameter lies on a device with the fused kernel (build it after moving the
+    model), else the multi-tensor (foreach) path; torch's CPU default is a per-tensor loop. Its speed matters
+    for TREAD: the optimizer step does not shrink with the routed tokens."""
+    params = list(params)
+    fused = bool(params) and all(fused_adamw_available(p.device) for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                             fused=fused, foreach=None if fused else True)
 
 
 @torch.no_grad()
@@ -42,9 +60,7 @@ def update_ema(ema_params, model_params, decay: float):
     torch._foreach_lerp_(ema_params, model_params, 1.0 - decay)
 
 
-
-
-def init_weights(cfg, model, ema, optimizer, is_main, projector=None):
+def init_weights(run, cfg):
     """Start a new run from another run's model and EMA weights, e.g. the paper's "(F)" fine-tuning of a
     TREAD run without routing: `model=dit init_from=results/tread-digits`. Fresh optimizer unless
     init_from_optimizer=true. init_from_weights=ema starts the model from the source's EMA too, as SPRINT's
@@ -52,15 +68,26 @@ def init_weights(cfg, model, ema, optimizer, is_main, projector=None):
     source = ckpt.resolve_checkpoint(cfg.init_from)
     state = ckpt.load_checkpoint(source)
     from_ema = cfg.init_from_weights == "ema"
-    ckpt.load_model_state(model, state["ema" if from_ema else "model"], source)
-    ckpt.load_model_state(ema, state["ema"], source)
-    load_projector(projector, state, source, is_main)
-    if cfg.init_from_optimizer:
-        optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], optimizer, len(list(model.parameters())),
-                                                      "repa" in state))
-    if is_main:
+    load_training_state(run, state, source, model_key="ema" if from_ema else "model",
+                        optimizer=cfg.init_from_optimizer)
+    if run.accelerator.is_main_process:
         print(f"initialised from {source} (step {state['step']}{', its EMA as the model' if from_ema else ''}), "
               f"{'with its optimizer state' if cfg.init_from_optimizer else 'fresh optimizer'}")
+
+
+def load_training_state(run, state: dict, source, model_key="model", optimizer=True) -> int:
+    """Model (from the checkpoint's `model_key` weights), EMA, projector and (if `optimizer`) optimizer from
+    a checkpoint; returns its step."""
+    ckpt.load_model_state(run.model, state[model_key], source)
+    ckpt.load_model_state(run.ema, state["ema"], source)
+    load_projector(run.projector, state, source, run.accelerator.is_main_process)
+    try:
+        if optimizer:
+            run.optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], run.optimizer,
+                                                              len(list(run.model.parameters())), "repa" in state))
+    except (ValueError, KeyError) as e:
+        raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
+    return int(state["step"])
 
 
 class StopSignal:
@@ -86,17 +113,22 @@ class Run:
     net: torch.nn.Module          # the denoiser around the (possibly compiled) model, prepared by accelerate
     loss_fn: Any
     optimizer: torch.optim.Optimizer
-    sampler: ResumableBatchSampler
-    data_iter: Any
-    step: int
-    accum: int                    # micro-batches per optimizer step
     projector: Optional[torch.nn.Module] = None  # REPA's (training/repa.py), trained, not in the EMA
+    sampler: Optional[ResumableBatchSampler] = None
+    data_iter: Any = None
+    step: int = 0
+    accum: int = 1                # micro-batches per optimizer step
     repa_sum: Optional[torch.Tensor] = None      # REPA's alignment term summed since the last log record
     logger: Optional[MetricsLogger] = None
     evaluator: Optional[TrainingEvaluator] = None
     eval_net: Optional[torch.nn.Module] = None
     started: float = dataclasses.field(default_factory=time.time)
     last_scores: dict = dataclasses.field(default_factory=dict)  # of the newest evaluation, for the summary
+    # The log interval so far: loss summed on the device (no host sync per step), its steps and start time.
+    loss_sum: Optional[torch.Tensor] = None
+    bad_step: Optional[torch.Tensor] = None     # the first step with a non-finite loss, -1 while there is none
+    steps_since_log: int = 0
+    t_log: float = 0.0
 
     @property
     def trained_params(self) -> list:
@@ -108,127 +140,117 @@ class Run:
 
 
 def setup(cfg: DictConfig) -> Run:
-    # Processes. Without a GPU, processes started by torchrun (`accelerate launch --multi_gpu`) train on the
-    # CPU with gloo.
-    accelerator = start_processes(cfg.train.dist_timeout_minutes, mixed_precision=cfg.train.mixed_precision,
-                                  cpu=not torch.cuda.is_available())
-    rank, world, is_main, device = (accelerator.process_index, accelerator.num_processes,
-                                    accelerator.is_main_process, accelerator.device)
-    if cfg.train.mixed_precision == "fp16" and accelerator.scaler is None:  # accelerate ignores fp16 on a CPU
-        raise UserError(f"train.mixed_precision=fp16 needs a GPU: on {device.type} accelerate neither autocasts "
-                        f"to float16 nor makes a grad scaler, so the run would train in float32; use bf16 or no")
-    set_precision_policy(cfg.train.tf32)
-    set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # on GPU runs too
+    accelerator = start(cfg)
+    is_main, device = accelerator.is_main_process, accelerator.device
 
     # Find the checkpoint to resume from.
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
     prepare_run_dir(run_dir, cfg.resume, is_main)
     accelerator.wait_for_everyone()
     found = ckpt.list_checkpoints(run_dir / "checkpoints") if cfg.resume else []
-    state = ckpt.load_checkpoint(found[-1][1]) if found else None
+    source = found[-1][1] if found else None
+    state = ckpt.load_checkpoint(source) if found else None
 
-    # Construct network, EMA, objective and optimizer: identical initial weights on every rank.
+    # Construct network, EMA, objective and optimizer; resume them (or start from another run's weights).
+    run = construct(cfg, accelerator, run_dir)
+    if state is not None:
+        run.step = load_training_state(run, state, source)
+    elif cfg.init_from:
+        init_weights(run, cfg)
+    run.ema.to(device)
+
+    # Load dataset: the batch sampler counts micro-batches and starts at the resumed step's first one.
+    run.accum = int(cfg.train.general.get("grad_accum_steps", 1))
+    run.sampler, run.data_iter = load_data(cfg, accelerator, run.step * run.accum, run.accum)
+
+    # Distribute.
+    run.net, run.optimizer = accelerator.prepare(run.net, run.optimizer)
+    if state is not None and state.get("scaler") and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    seed_random_streams(cfg, accelerator, state, run.step)
+
+    # Log and evaluate.
+    run.model.router.off_after_step = cfg.train.get("routing_off_after")
+    run.loss_sum = torch.zeros((), device=device)
+    run.bad_step = torch.full((), -1, dtype=torch.long, device=device)
+    if run.projector is not None:
+        run.repa_sum = torch.zeros((), device=device)
+    if is_main:
+        run.logger = open_run_log(run, resumed_from=source)
+        if run.step >= cfg.train.max_steps:
+            print(f"run {cfg.run_name} is already complete at step {run.step}; raise train.max_steps, or start "
+                  f"over with resume=false or a new run_name")
+    if cfg.train.eval.eval_interval and cfg.train.eval.eval_interval > 0:
+        run.evaluator = TrainingEvaluator(cfg, accelerator, run_dir)
+        run.eval_net = build_denoiser(cfg.diffuser, run.ema)
+    return run
+
+
+def start(cfg: DictConfig) -> Accelerator:
+    """Processes. Without a GPU, processes started by torchrun (`accelerate launch --multi_gpu`) train on the
+    CPU with gloo."""
+    accelerator = start_processes(cfg.train.dist_timeout_minutes, mixed_precision=cfg.train.mixed_precision,
+                                  cpu=not torch.cuda.is_available())
+    if cfg.train.mixed_precision == "fp16" and accelerator.scaler is None:  # accelerate ignores fp16 on a CPU
+        raise UserError(f"train.mixed_precision=fp16 needs a GPU: on {accelerator.device.type} accelerate neither "
+                        f"autocasts to float16 nor makes a grad scaler, so the run would train in float32; use "
+                        f"bf16 or no")
+    set_precision_policy(cfg.train.tf32)
+    set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # on GPU runs too
+    return accelerator
+
+
+def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> Run:
+    """Network, EMA, objective (with REPA's projector when on) and optimizer: identical initial weights on
+    every rank."""
     torch.manual_seed(cfg.global_seed)
     model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     denoiser, loss_fn = build_objective(cfg.diffuser, model)
     net, loss_fn, projector = build_repa(cfg.repa, model, denoiser, loss_fn)  # unchanged when REPA is off
-    model.to(device)  # before the optimizer: its fused-kernel choice follows the parameters' device
-    trained = list(model.parameters())
-    n_model_params = len(trained)  # the optimizer holds the model's parameters first, then the projector's
+    model.to(accelerator.device)  # before the optimizer: its fused-kernel choice follows the parameters' device
+    trained = list(model.parameters())  # the optimizer holds the model's parameters first, then the projector's
     if projector is not None:
-        projector.to(device)
-        loss_fn.teacher.to(device)
+        projector.to(accelerator.device)
+        loss_fn.teacher.to(accelerator.device)
         trained += list(projector.parameters())  # after the model's: fit_optimizer_state relies on the order
     o = cfg.train.optimizer
     optimizer = build_adamw(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-
-    # Resume (or start from another run's weights).
-    step = 0
-    if state is not None:
-        source = found[-1][1]
-        ckpt.load_model_state(model, state["model"], source)
-        ckpt.load_model_state(ema, state["ema"], source)
-        load_projector(projector, state, source, is_main)
-        try:
-            optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], optimizer, n_model_params,
-                                                          "repa" in state))
-        except (ValueError, KeyError) as e:
-            raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
-        step = int(state["step"])
-    elif cfg.init_from:
-        init_weights(cfg, model, ema, optimizer, is_main, projector)
-    ema.to(device)
-
-    # Load dataset: the batch sampler counts micro-batches and starts at the resumed step's first one.
-    dataset = build_dataset(cfg.dataset, seed=cfg.global_seed, teacher_images=bool(cfg.repa.enabled))
-    if is_main and getattr(dataset, "scale_note", None):
-        print(f"latents: {dataset.scale_note}")
-    accum = int(cfg.train.general.get("grad_accum_steps", 1))
-    sampler = ResumableBatchSampler(len(dataset), cfg.train.general.batch_size // (world * accum), rank, world,
-                                    cfg.global_seed, start_step=step * accum)
-    workers, note = loader_workers(cfg.train.general.num_workers)
-    if is_main and note:
-        print(note)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                         pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                                         generator=torch.Generator())  # keeps the global RNG untouched
-
-    # Distribute.
     if cfg.train.compile:
         denoiser.model = torch.compile(model, dynamic=cfg.train.get("compile_dynamic"))
-    net, optimizer = accelerator.prepare(net, optimizer)
-    if state is not None and state.get("scaler") and accelerator.scaler is not None:
-        accelerator.scaler.load_state_dict(state["scaler"])
+    return Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, projector)
 
-    # Random streams: each rank continues its own, or starts one of its own.
-    rng = state["rng"] if state is not None else None
+
+def load_data(cfg: DictConfig, accelerator: Accelerator, start_micro_step: int, accum: int):
+    """(this rank's batch sampler, an iterator over its (x, y[, teacher images]) micro-batches)."""
+    dataset = build_dataset(cfg.dataset, seed=cfg.global_seed, teacher_images=bool(cfg.repa.enabled))
+    if accelerator.is_main_process and getattr(dataset, "scale_note", None):
+        print(f"latents: {dataset.scale_note}")
+    world, (workers, note) = accelerator.num_processes, loader_workers(cfg.train.general.num_workers)
+    if accelerator.is_main_process and note:
+        print(note)
+    sampler = ResumableBatchSampler(len(dataset), cfg.train.general.batch_size // (world * accum),
+                                    accelerator.process_index, world, cfg.global_seed, start_step=start_micro_step)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                         pin_memory=accelerator.device.type == "cuda",
+                                         persistent_workers=workers > 0,
+                                         generator=torch.Generator())  # keeps the global RNG untouched
+    return sampler, iter(loader)
+
+
+def seed_random_streams(cfg: DictConfig, accelerator: Accelerator, state: Optional[dict], step: int):
+    """Random streams (torch's, numpy's and Python's): each rank continues its own, or starts its own from
+    (global_seed, rank, step) in a new run or from a checkpoint written by another number of processes."""
+    rng, rank, world = state["rng"] if state is not None else None, accelerator.process_index, accelerator.num_processes
     if rng is not None and len(rng) == world:
         ckpt.restore_rng_state(rng[rank])
-    else:
-        torch.manual_seed(cfg.global_seed * 1_000_003 + rank + step)
-        if rng is not None and is_main:
-            print(f"note: checkpoint was written by {len(rng)} processes, now {world}: RNG streams are re-seeded")
-
-    model.router.off_after_step = cfg.train.get("routing_off_after")
-    run = Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, sampler, iter(loader), step, accum,
-              projector, torch.zeros((), device=device) if projector is not None else None)
-    if is_main:
-        run.logger = open_run_log(run, resumed_from=found[-1][1] if state is not None else None)
-    if cfg.train.eval.eval_interval and cfg.train.eval.eval_interval > 0:
-        run.evaluator = TrainingEvaluator(cfg, accelerator, run_dir)
-        run.eval_net = build_denoiser(cfg.diffuser, ema)
-    return run
-
-
-def describe_routes(routes) -> str:
-    """Routes in one short line, e.g. `2->8 at 0.5`, `2->8 at 0.75 (sprint)` (a Route's repr runs long)."""
-    return ", ".join(f"{r.start_layer_idx}->{r.end_layer_idx} at {r.selection_ratio:g}"
-                     + (f" ({r.fusion})" if getattr(r, "fusion", "none") != "none" else "")
-                     + (f" ({r.schedule.kind} schedule)" if r.schedule.kind != "constant" else "") for r in routes)
-
-
-def open_run_log(run: Run, resumed_from) -> MetricsLogger:
-    """Main process: the resolved config, metrics.jsonl (cut back to the resumed step), a start-up report."""
-    cfg, world = run.cfg, run.accelerator.num_processes
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run.run_dir / "config.yaml", resolve=True)
-    drop_redone_records(run.run_dir / "metrics.jsonl", run.step)
-    logger = MetricsLogger(run.run_dir, cfg.train.logging.tensorboard, cfg.train.logging.wandb,
-                           OmegaConf.to_container(cfg, resolve=True), cfg.run_name)
-    router = run.model.router
-    n_params = sum(p.numel() for p in run.model.parameters())
-    print(f"{cfg.model.backbone_type} ({cfg.model.name}): {n_params / 1e6:.2f}M parameters, routes "
-          f"{describe_routes(router.routes) if router.enable_routing else 'off'}, {world} process(es) on "
-          f"{run.accelerator.device}, global batch {cfg.train.general.batch_size}, run dir {run.run_dir}")
-    print(f"resuming from {resumed_from} at step {run.step}" if resumed_from is not None else "starting at step 0")
-    if router.routes or run.projector is not None:
-        per_rank_batch = cfg.train.general.batch_size // world
-        params = OmegaConf.to_container(cfg.model.params, resolve=True)
-        report = routing_flop_report(cfg.model.backbone_type, params, per_rank_batch,
-                                     OmegaConf.to_container(cfg.repa, resolve=True), cfg.dataset.kind)
-        print(format_report(cfg.model.backbone_type, report, per_rank_batch, cfg.train.mixed_precision))
-    return logger
+        return
+    # numpy's and Python's too: a checkpoint restores them, so they must not start from the OS's entropy (an
+    # uninterrupted run would then differ from a resumed one)
+    seed = cfg.global_seed * 1_000_003 + rank + step
+    torch.manual_seed(seed), np.random.seed(seed % 2 ** 32), random.seed(seed)
+    if rng is not None and accelerator.is_main_process:
+        print(f"note: checkpoint was written by {len(rng)} processes, now {world}: RNG streams are re-seeded")
 
 
 def save_snapshot(run: Run, step: int):
@@ -273,21 +295,58 @@ def accumulate_gradients(run: Run, num_classes: int, drop_prob: float) -> torch.
     return total
 
 
+def update_weights(run: Run, step: int, model_params: list, ema_params: list):
+    """One optimizer step, then the EMA. The learning rate and a scheduled routing ratio are functions of the
+    step alone (resume is exact). The step's loss joins the log interval's sum, on the device."""
+    t, o = run.cfg.train, run.cfg.train.optimizer
+    for group in run.optimizer.param_groups:
+        group["lr"] = learning_rate(o, step)
+    run.model.router.set_step(step)
+    loss = accumulate_gradients(run, run.cfg.model.params.num_classes, t.general.class_drop_prob)
+    if o.grad_clip:
+        run.accelerator.clip_grad_norm_(run.trained_params, o.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    update_ema(ema_params, model_params, t.ema.decay)
+    run.loss_sum += loss
+    run.bad_step = torch.where((run.bad_step < 0) & ~torch.isfinite(loss), step + 1, run.bad_step)
+    run.steps_since_log += 1
+
+
+def log_interval(run: Run, step: int, stop: StopSignal, bar: Progress) -> tuple:
+    """The only host sync of a step, every log_interval steps: the loss (and REPA's term) averaged over the
+    interval and all processes, logged by the main process. Returns (the mean loss is finite, a stop signal
+    reached any process)."""
+    accelerator, t, world = run.accelerator, run.cfg.train, run.accelerator.num_processes
+    mean_loss = (accelerator.reduce(run.loss_sum, "mean") / run.steps_since_log).item()
+    stop_now = stop.signum is not None
+    if world > 1:
+        flag = torch.tensor(float(stop_now), device=accelerator.device)
+        stop_now = bool(accelerator.reduce(flag, "max").item())
+    if not math.isfinite(mean_loss):
+        return False, stop_now
+    repa = {}
+    if run.repa_sum is not None:  # the alignment term alone (mean -cos); `loss` includes it, weighted
+        repa = {"repa_loss": (accelerator.reduce(run.repa_sum, "mean") / run.steps_since_log).item()}
+        run.repa_sum.zero_()
+    if run.logger is not None:
+        steps_per_sec = run.steps_since_log / (time.time() - run.t_log)
+        run.logger.log(step, {"loss": mean_loss, **repa, "steps_per_sec": steps_per_sec,
+                              "images_per_sec": steps_per_sec * t.general.batch_size,
+                              "epoch": step * run.accum / run.sampler.steps_per_epoch,
+                              "lr": learning_rate(t.optimizer, step - 1), "world_size": world})
+        bar.interval(step, mean_loss, steps_per_sec)
+    run.loss_sum.zero_()
+    run.steps_since_log, run.t_log = 0, time.time()
+    return True, stop_now
+
+
 def evaluate(run: Run, step: int):
     scores = run.evaluator(run.eval_net, step)
     if run.logger is not None:
         run.logger.log(step, scores)
         run.last_scores = scores
         Progress.write(f"step {step}: {format_metrics(scores)}")
-
-
-def summary_line(run: Run, step: int) -> str:
-    """The run in one line: the newest evaluation's headline numbers, the wall clock, the grid."""
-    shown = {k: v for k, v in run.last_scores.items() if k in ("fid", "class_acc", "nn_ratio")}
-    grid = run.evaluator.last_grid if run.evaluator is not None else None
-    return (f"done: step {step} in {format_duration(time.time() - run.started)}"
-            + (f"; {format_metrics(shown)}" if shown else "; no evaluation this session")
-            + (f"; grid {grid}" if grid is not None else ""))
 
 
 def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
@@ -298,77 +357,39 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
     heartbeat = heartbeat or (lambda: None)
     run = setup(cfg)
     run.started = started
-    accelerator, device, world = run.accelerator, run.accelerator.device, run.accelerator.num_processes
-    t, o = cfg.train, cfg.train.optimizer
-    num_classes, drop_prob = cfg.model.params.num_classes, t.general.class_drop_prob
+    accelerator, t = run.accelerator, cfg.train
     model_params, ema_params = list(run.model.parameters()), list(run.ema.parameters())
     stop = StopSignal()
-    loss_sum = torch.zeros((), device=device)
-    bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
-    steps_since_log, t_log = 0, time.time()
-    step = run.step
-    if step >= t.max_steps and accelerator.is_main_process:
-        print(f"run {cfg.run_name} is already complete at step {step}; raise train.max_steps, or start over "
-              f"with resume=false or a new run_name")
+    step, run.steps_since_log, run.t_log = run.step, 0, time.time()
     bar = Progress(t.max_steps, step, accelerator.is_main_process)
     try:
         while step < t.max_steps:
-            # Update weights (the learning rate and a scheduled routing ratio are functions of the step alone:
-            # resume is exact).
-            lr = learning_rate(o, step)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
-            run.model.router.set_step(step)
-            loss = accumulate_gradients(run, num_classes, drop_prob)
-            if o.grad_clip:
-                accelerator.clip_grad_norm_(run.trained_params, o.grad_clip)
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            # Update EMA.
-            update_ema(ema_params, model_params, t.ema.decay)
+            # Update weights and EMA.
+            update_weights(run, step, model_params, ema_params)
             step += 1
-            loss_sum += loss
-            bad_step = torch.where((bad_step < 0) & ~torch.isfinite(loss), step, bad_step)
-            steps_since_log += 1
             bar.update(1)
 
-            # Log: the only host sync of a step, every log_interval steps; stop signals are agreed on here.
-            stop_now = stop.signum is not None if world == 1 else False
+            # Log; a stop signal is agreed on here (one process: at once).
+            stop_now = accelerator.num_processes == 1 and stop.signum is not None
             if step % t.logging.log_interval == 0 or step == t.max_steps:
-                mean_loss = (accelerator.reduce(loss_sum, "mean") / steps_since_log).item()
-                if world > 1:
-                    flag = torch.tensor(float(stop.signum is not None), device=device)
-                    stop_now = bool(accelerator.reduce(flag, "max").item())
-                if not math.isfinite(mean_loss):
+                finite, stop_now = log_interval(run, step, stop, bar)
+                if not finite:
                     break
-                repa = {}
-                if run.repa_sum is not None:  # the alignment term alone (mean -cos); `loss` includes it, weighted
-                    repa = {"repa_loss": (accelerator.reduce(run.repa_sum, "mean") / steps_since_log).item()}
-                    run.repa_sum.zero_()
-                if run.logger is not None:
-                    steps_per_sec = steps_since_log / (time.time() - t_log)
-                    run.logger.log(step, {"loss": mean_loss, **repa, "steps_per_sec": steps_per_sec,
-                                          "images_per_sec": steps_per_sec * t.general.batch_size,
-                                          "epoch": step * run.accum / run.sampler.steps_per_epoch, "lr": lr,
-                                          "world_size": world})
-                    bar.interval(step, mean_loss, steps_per_sec)
-                loss_sum.zero_()
-                steps_since_log, t_log = 0, time.time()
                 heartbeat()
 
             # Save snapshot (never one with a non-finite loss in it).
             if step % t.ckpt_every == 0 or step == t.max_steps or stop_now:
-                if int(accelerator.reduce(bad_step, "max").item()) >= 0:
+                if int(accelerator.reduce(run.bad_step, "max").item()) >= 0:
                     break
                 save_snapshot(run, step)
                 heartbeat()
 
-            # Evaluate.
+            # Evaluate (its time is not training time: the interval's steps still count).
             if run.evaluator is not None and (step % t.eval.eval_interval == 0 or step == t.max_steps) \
                     and not stop_now:
                 t_eval = time.time()
                 evaluate(run, step)
-                t_log += time.time() - t_eval  # evaluation time is not training time (the interval's steps still count)
+                run.t_log += time.time() - t_eval
                 heartbeat()
             if stop_now:
                 bar.close()
@@ -376,13 +397,13 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
                 sys.exit(128 + int(stop.signum or 15))
     finally:
         bar.close()
-    finish(run, bad_step, end_training, step)
+    finish(run, end_training, step)
 
 
-def finish(run: Run, bad_step: torch.Tensor, end_training: bool, step: int):
+def finish(run: Run, end_training: bool, step: int):
     if run.logger is not None:
         run.logger.close()
-    bad = int(run.accelerator.reduce(bad_step, "max").item())
+    bad = int(run.accelerator.reduce(run.bad_step, "max").item())
     if bad >= 0:
         last = ckpt.list_checkpoints(run.ckpt_dir)
         kept = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was written"

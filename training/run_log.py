@@ -1,9 +1,15 @@
-"""Run logging on rank 0: metrics.jsonl (one JSON object per log step, flushed), TensorBoard, and wandb
-only when it is enabled and installed."""
+"""Run logging on rank 0: the start-up report, metrics.jsonl (one JSON object per log step, flushed),
+TensorBoard, wandb only when it is enabled and installed, and the closing summary line."""
 import json
 import math
 import time
 from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from training.flops import format_report, routing_flop_report
+from training.progress import format_duration
+from training.run_dir import drop_redone_records
 
 
 def _jsonable(value):
@@ -60,3 +66,43 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def describe_routes(routes) -> str:
+    """Routes in one short line, e.g. `2->8 at 0.5`, `2->8 at 0.75 (sprint)` (a Route's repr runs long)."""
+    return ", ".join(f"{r.start_layer_idx}->{r.end_layer_idx} at {r.selection_ratio:g}"
+                     + (f" ({r.fusion})" if getattr(r, "fusion", "none") != "none" else "")
+                     + (f" ({r.schedule.kind} schedule)" if r.schedule.kind != "constant" else "") for r in routes)
+
+
+def open_run_log(run, resumed_from) -> MetricsLogger:
+    """Main process, for a `training.loop.Run`: the resolved config, metrics.jsonl (cut back to the resumed
+    step), a start-up report."""
+    cfg, world = run.cfg, run.accelerator.num_processes
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run.run_dir / "config.yaml", resolve=True)
+    drop_redone_records(run.run_dir / "metrics.jsonl", run.step)
+    logger = MetricsLogger(run.run_dir, cfg.train.logging.tensorboard, cfg.train.logging.wandb,
+                           OmegaConf.to_container(cfg, resolve=True), cfg.run_name)
+    router = run.model.router
+    n_params = sum(p.numel() for p in run.model.parameters())
+    print(f"{cfg.model.backbone_type} ({cfg.model.name}): {n_params / 1e6:.2f}M parameters, routes "
+          f"{describe_routes(router.routes) if router.enable_routing else 'off'}, {world} process(es) on "
+          f"{run.accelerator.device}, global batch {cfg.train.general.batch_size}, run dir {run.run_dir}")
+    print(f"resuming from {resumed_from} at step {run.step}" if resumed_from is not None else "starting at step 0")
+    if router.routes or run.projector is not None:
+        per_rank_batch = cfg.train.general.batch_size // world
+        params = OmegaConf.to_container(cfg.model.params, resolve=True)
+        report = routing_flop_report(cfg.model.backbone_type, params, per_rank_batch,
+                                     OmegaConf.to_container(cfg.repa, resolve=True), cfg.dataset.kind)
+        print(format_report(cfg.model.backbone_type, report, per_rank_batch, cfg.train.mixed_precision))
+    return logger
+
+
+def summary_line(run, step: int) -> str:
+    """The run in one line: the newest evaluation's headline numbers, the wall clock, the grid."""
+    shown = {k: v for k, v in run.last_scores.items() if k in ("fid", "class_acc", "nn_ratio")}
+    grid = run.evaluator.last_grid if run.evaluator is not None else None
+    return (f"done: step {step} in {format_duration(time.time() - run.started)}"
+            + (f"; {format_metrics(shown)}" if shown else "; no evaluation this session")
+            + (f"; grid {grid}" if grid is not None else ""))

@@ -1,5 +1,5 @@
-"""Processes: how every entry point starts its accelerate state, sets its CPU threads, and gathers
-Python objects to the main process.
+"""Processes: how every entry point checks its process count against the GPUs, starts its accelerate state,
+sets its CPU threads, and gathers Python objects to the main process.
 
 Timeout: a collective (a barrier, a gather) waits this long for the slowest rank before failing. torch's
 default is 10 minutes on NCCL, shorter than what one rank may legitimately spend alone: scoring an
@@ -32,6 +32,19 @@ def start_processes(timeout_minutes=DEFAULT_TIMEOUT_MINUTES, **accelerator_kwarg
         raise UserError(f"the process-group timeout must be a positive number of minutes, got {timeout_minutes!r}")
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=minutes))
     return Accelerator(kwargs_handlers=[timeout], **accelerator_kwargs)
+
+
+def check_cuda_processes(local_processes=None):
+    """On CUDA every process of a node takes its own device (rank r -> cuda:r): refuse more processes per node
+    than visible devices, which would otherwise fail later with `invalid device ordinal`. `local_processes`
+    defaults to the launcher's LOCAL_WORLD_SIZE (1 without a launcher)."""
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices and local_processes > devices:
+        raise UserError(f"{local_processes} processes per node but {devices} CUDA device(s) visible: launch at most "
+                        f"{devices} per node (accelerate launch --num_processes N), or list the devices to use in "
+                        f"CUDA_VISIBLE_DEVICES (CUDA_VISIBLE_DEVICES=\"\" runs every process on the CPU)")
 
 
 def set_cpu_threads(setting, local_processes: int) -> int:

@@ -1,6 +1,9 @@
 """User-facing errors: one clear line naming the problem and the fix, a non-zero exit, no traceback."""
 import functools
+import json
+import os
 import sys
+import time
 
 
 class UserError(Exception):
@@ -19,8 +22,21 @@ def one_line(message: str) -> str:
     return " ".join(lines)
 
 
-def exit_with(message: str, code: int = EXIT_USER_ERROR):
-    print(f"error: {one_line(message)}", file=sys.stderr, flush=True)
+def exit_with(message: str, code: int = EXIT_USER_ERROR, quiet: bool = False):
+    """`error: <message>` on stderr (none if `quiet`: a launch's other processes) and exit with `code`.
+
+    Under `accelerate launch` with several processes (torch.distributed.run), the launcher ends its failure
+    report with each process's error file: the line is written there too, so that it closes the report."""
+    line = f"error: {one_line(message)}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the report then says "To enable traceback see ..."; the line above stays
+    if not quiet:
+        print(line, file=sys.stderr, flush=True)
     sys.exit(code)
 
 

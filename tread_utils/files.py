@@ -1,11 +1,9 @@
-"""Small helpers shared by every command: atomic writes, output-path checks, argparse types."""
-import argparse
+"""File helpers shared by every command: atomic writes and output-path checks."""
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-from tread_utils.errors import EXIT_USER_ERROR, UserError
+from tread_utils.errors import UserError
 
 
 def atomic_write(path, write, mode: str = "wb", exclusive: bool = False) -> Path:
@@ -48,31 +46,3 @@ def check_output_path(path, suffix: str, what: str) -> Path:
     except OSError as e:
         raise UserError(f"cannot write {what}={path}: directory {parent} is not writable ({e.strerror})") from None
     return p
-
-
-def _int_at_least(value, minimum: int, what: str) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}") from None
-    if number < minimum:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
-    return number
-
-
-def positive_int(value) -> int:
-    """argparse type: an integer >= 1."""
-    return _int_at_least(value, 1, "a positive integer")
-
-
-def non_negative_int(value) -> int:
-    """argparse type: an integer >= 0."""
-    return _int_at_least(value, 0, "an integer >= 0")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors follow the project's convention: one `error:` line on stderr, exit code 2."""
-
-    def error(self, message):
-        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)

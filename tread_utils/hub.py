@@ -1,0 +1,99 @@
+"""Files of a published model: a local folder, or a Hugging Face Hub repository through its cache.
+
+Exported models are a folder with ``config.json`` and ``model.safetensors`` (``python -m tools.export``).
+The weights are read with safetensors only: nothing in such a folder is unpickled.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from tread_utils.errors import UserError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+EXPORT_HINT = "write one with: python -m tools.export RUN_DIR --out DIR"
+
+
+def is_exported_folder(path) -> bool:
+    path = Path(str(path)).expanduser()
+    return path.is_dir() and (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file()
+
+
+@contextlib.contextmanager
+def hub_errors_as_user_errors(model_id):
+    """A Hub repository that cannot be had (no network and not cached, unknown repository or file) becomes
+    one line saying what to download."""
+    from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RepositoryNotFoundError)
+
+    try:
+        yield
+    except (EntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, HFValidationError, OSError) as e:
+        if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+            why = "not in the Hub cache and not downloaded (offline, or the Hub cannot be reached)"
+        elif isinstance(e, RepositoryNotFoundError):
+            why = "no such repository on the Hub (or it is private: log in with `hf auth login`)"
+        elif isinstance(e, HFValidationError):
+            raise UserError(f"{model_id} is neither a folder nor a Hub repository id (owner/name); give an exported "
+                            f"model folder ({EXPORT_HINT}) or a repository id") from None
+        else:
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+        raise UserError(f"cannot load {model_id}: {why}; where there is a network run `hf download {model_id} "
+                        f"--local-dir DIR` and pass DIR (an exported model folder: {EXPORT_HINT})") from None
+
+
+def model_file(model_id, filename: str, **hub_kwargs) -> Path:
+    """``filename`` of an exported folder, or of a Hub repository (downloaded into the cache, or read from
+    it when offline)."""
+    folder = Path(str(model_id)).expanduser()
+    if folder.is_dir():
+        path = folder / filename
+        if not path.is_file():
+            raise UserError(f"{folder} is not an exported model folder: it has no {filename} "
+                            f"(needs {CONFIG_NAME} and {WEIGHTS_NAME}; {EXPORT_HINT})")
+        return path
+    from huggingface_hub import hf_hub_download
+
+    with hub_errors_as_user_errors(model_id):
+        return Path(hf_hub_download(repo_id=str(model_id), filename=filename, **hub_kwargs))
+
+
+def read_config(path) -> dict:
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not a readable JSON model config ({e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a model config (expected a JSON object)")
+    return config
+
+
+def read_weights(path) -> dict:
+    """The tensors of a .safetensors file (on the CPU); a corrupt file is one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read as safetensors ({str(e).splitlines()[0][:160]})") from None
+
+
+def check_matches(own: dict, tensors: dict, source) -> None:
+    """One line naming the first difference unless ``tensors`` has exactly the names and shapes of the state
+    dict ``own`` (else the folder's config describes another model than its weights)."""
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    bad = [k for k in own if k in tensors and tuple(own[k].shape) != tuple(tensors[k].shape)]
+    if missing or unexpected or bad:
+        detail = (f"{bad[0]} has shape {tuple(tensors[bad[0]].shape)}, the config's model expects "
+                  f"{tuple(own[bad[0]].shape)}" if bad else f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise UserError(f"{source}: its {CONFIG_NAME} does not match its {WEIGHTS_NAME} ({detail}); "
+                        f"export the run again ({EXPORT_HINT})")
+
+
+def load_exact(module, tensors: dict, source) -> None:
+    check_matches(module.state_dict(), tensors, source)
+    module.load_state_dict(tensors)
