@@ -276,7 +276,18 @@ PROSE = {
     "50K": ("the ImageNet preset's evaluation interval; ADM's 50K samples", lambda: imagenet().train.eval.eval_interval),
     "5K": ("the ImageNet preset's FID sample count", lambda: imagenet().train.eval.fid_num_samples),
     "0.42": ("the diffusers version apply_tread is tested on", lambda: tested_diffusers()),
+    "2.11": ("a torch whose compile check passed", lambda: compile_check_passed("2.11")),
+    "2.14": ("a torch whose compile check passed", lambda: compile_check_passed("2.14")),
 }
+
+
+def compile_check_passed(minor: str) -> float:
+    """The torch version of a committed compile-check log that shows one graph, no break and every test passed."""
+    (log,) = PERF.glob(f"compile_check_torch{minor}.*.txt")
+    text = log.read_text()
+    assert re.search(r": 1 graph\(s\), 0 break\(s\)", text) and not re.search(r"break\(s\)[^\n]*first", text)
+    assert re.search(rf"^torch {re.escape(minor)}\.\d+: \d+ passed, 0 failed, 0 errors$", text, re.M), log
+    return float(minor)
 
 
 def tested_diffusers() -> float:
