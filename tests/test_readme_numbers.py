@@ -200,6 +200,14 @@ def test_not_yet_measured_is_still_unmeasured():
 def test_diffusers_table_is_the_benchmark_json():
     bench = json.loads((PERF / "diffusers_cpu.json").read_text())
     runs = {r["arch"]: r for r in bench["rows"]}
+    log = (PERF / "finetune_lora_digits.log").read_text()
+    m = re.search(r"step time: unrouted (\d+) ms, routed (\d+) ms .*speed-up ([\d.]+)x, FLOP bound ([\d.]+)x .*"
+                  r"speed-up / bound ([\d.]+)", log)
+    runs["flux, the example (LoRA)"] = dict(arch="example", unrouted_step_s=float(m[1]) / 1000,
+                                            routed_step_s=float(m[2]) / 1000, speedup=float(m[3]),
+                                            flop_bound=float(m[4]), speedup_vs_bound=float(m[5]))
+    losses = [float(v) for v in re.findall(r"eval loss \(unrouted, held-out\) ([\d.]+)", log)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] / 2, losses  # the example learns
     rows = table(README, "| architecture | unrouted step (ms) |")
     assert {row["architecture"] for row in rows} == set(runs)
     for row in rows:
