@@ -1,7 +1,7 @@
 """Writing latent shards (the format data/shards.py reads): webdataset tars of `<key>.latent.npy` + `<key>.cls`
 (+ `<key>.png` with images), each written to `<name>.tar.partial` and renamed after its done-marker
 `.progress/<name>.json`, a recorded plan that a resumed extraction must match, and manifest.json gathered from
-the markers. Used by data/extract_latents.py, data/maskdit_latents.py and tools/bench_loader.py.
+the markers. Used by data/extract_latents.py, data/maskdit_latents.py and lab/bench_loader.py.
 """
 import io
 import json

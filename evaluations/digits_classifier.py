@@ -22,7 +22,7 @@ Train-time FID for digits::
     #   digits_fid(latents, clf, ref)
 
 The shipped weights ``evaluations/digits_classifier.pt`` come from
-``python -m tools.train_digits_classifier``.
+``python -m lab.train_digits_classifier``.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def load_digits_classifier(path=None, device=None) -> DigitsClassifier:
     path = Path(path) if path is not None else WEIGHTS_PATH
     if not path.is_file():
         raise UserError(f"digits classifier weights {path} not found; train them with "
-                        f"`python -m tools.train_digits_classifier`")
+                        f"`python -m lab.train_digits_classifier`")
     model = DigitsClassifier()
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     for p in model.parameters():

@@ -132,9 +132,9 @@ setup() {  # the part's folder, summary header, and (on the GPU) the missing whe
 torch.cuda.is_available())" >> "$DEST/summary.txt" 2>&1
 }
 
-bench() {  # bench NAME LIMIT_S BENCH_ARGS...: tools.bench writing DEST/NAME.json (and .md)
+bench() {  # bench NAME LIMIT_S BENCH_ARGS...: lab.bench writing DEST/NAME.json (and .md)
   local name=$1 limit=$2; shift 2
-  stage "$name" "$limit" $PY -m tools.bench --dtype bf16 "$@" --out "$DEST/$name.json"
+  stage "$name" "$limit" $PY -m lab.bench --dtype bf16 "$@" --out "$DEST/$name.json"
 }
 
 part1() {

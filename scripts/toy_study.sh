@@ -12,16 +12,16 @@
 #              dropped for the last 20%, fusion and path drop kept: SPRINT's full-token fine-tune in the same run)
 #   cost       the step cost alone: dit, tread at 0.25 / 0.5 / 0.75, SPRINT and tread + REPA, one run at a time
 #              (whatever JOBS is; each on the threads a study run gets), COST_STEPS steps, no evaluation -> $RESULTS/cost/
-#   guidance   tools/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
+#   guidance   lab/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
 #              GUIDANCE_SCALES, equal network evaluations, EVAL_SAMPLES samples    -> $REPORT/guidance/
 #              (GUIDANCE_RUN=sprint_off: the platform's sprint_off seed-0 run -> $REPORT/guidance_sprint_off/)
 #   archive    each run's config.yaml (results_dir relative to the checkout), status.json, metrics.jsonl and
 #              newest sample grid -> $ARCHIVE/<part>/<run>/
 #              (kilobytes a run, no checkpoints: commit it, and the report rebuilds from it with RESULTS=$ARCHIVE
 #              after the run folders are gone; rerun it as runs finish, it replaces what it copied before)
-#   report     tools/study_report.py over the training parts run so far                 -> $REPORT/
+#   report     lab/study_report.py over the training parts run so far                 -> $REPORT/
 #              (UNTIMED: folder-name patterns of runs to compare per step only, e.g. runs trained on another machine)
-#              and tools/digits_reference_limit.py: real digits scored as EVAL_SAMPLES samples are -> $REPORT/reference_limit/
+#              and lab/digits_reference_limit.py: real digits scored as EVAL_SAMPLES samples are -> $REPORT/reference_limit/
 # Every run evaluates FID, class_acc and nn_ratio every EVAL_EVERY steps on EVAL_SAMPLES samples and
 # keeps a checkpoint at each evaluation, so an interrupted run loses at most EVAL_EVERY steps.
 #
@@ -56,7 +56,7 @@ RESULTS=${RESULTS:-results/study}
 REPORT=${REPORT:-docs/results}
 ARCHIVE=${ARCHIVE:-docs/results/runs}
 PYTHON=${PYTHON:-python}
-UNTIMED=${UNTIMED:-}                      # space-separated patterns, each one --untimed of tools/study_report.py
+UNTIMED=${UNTIMED:-}                      # space-separated patterns, each one --untimed of lab/study_report.py
 JOBS=${JOBS:-1}
 EXTRA=("$@")
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "error: JOBS=$JOBS is not a positive integer (e.g. JOBS=2)" >&2; exit 2; }
@@ -151,7 +151,7 @@ if wanted guidance; then  # the seed-0 run's directory: its overrides, sorted (H
   # shellcheck disable=SC2086  # the variant is split into its overrides on purpose
   run=$(printf '%s\n' global_seed=0 model=tread ${VARIANT[$GUIDANCE_RUN]} | LC_ALL=C sort | paste -sd, -)
   # shellcheck disable=SC2086  # the scales are separate arguments
-  "$PYTHON" -m tools.guidance_eval "$RESULTS/platform/$run" --cfg-scales $GUIDANCE_SCALES \
+  "$PYTHON" -m lab.guidance_eval "$RESULTS/platform/$run" --cfg-scales $GUIDANCE_SCALES \
     --pdg-scales $GUIDANCE_SCALES --num-samples "$EVAL_SAMPLES" --out "$out"
 fi
 if wanted archive; then
@@ -183,6 +183,6 @@ if wanted report; then
   untimed=() patterns=()
   read -ra patterns <<< "$UNTIMED"  # split at spaces, never globbed here
   for pattern in "${patterns[@]}"; do untimed+=(--untimed "$pattern"); done
-  "$PYTHON" -m tools.study_report "${roots[@]}" --out "$REPORT" "${untimed[@]}"
-  "$PYTHON" -m tools.digits_reference_limit --num-samples "$EVAL_SAMPLES" --out "$REPORT/reference_limit"
+  "$PYTHON" -m lab.study_report "${roots[@]}" --out "$REPORT" "${untimed[@]}"
+  "$PYTHON" -m lab.digits_reference_limit --num-samples "$EVAL_SAMPLES" --out "$REPORT/reference_limit"
 fi

@@ -33,7 +33,7 @@ def subprocess_env():
 
 
 def command(script) -> list:
-    """A root script by file name (`train.py`), or a packaged tool by module name (`tools.bench`)."""
+    """A root script by file name (`train.py`), or a packaged tool by module name (`lab.bench`)."""
     return [str(REPO / script)] if script.endswith(".py") else ["-m", script]
 
 

@@ -16,8 +16,8 @@ import torch
 from conftest import assert_one_line_error, run_script, save_tiny_vae
 from dit import get_model  # imported before the stand-in, as in bench.py (the stand-in builds on it)
 from tread_utils.errors import UserError
-from tools.bench import paper_output_difference
-from tools.paper_code import build_paper_model, load_our_weights, load_paper_dit
+from lab.bench import paper_output_difference
+from lab.paper_code import build_paper_model, load_our_weights, load_paper_dit
 
 ROUTING = """
     CALLS = []
@@ -91,7 +91,7 @@ def test_paper_code_weight_names_are_checked(paper_repo):
 
 def test_bench_times_ours_and_the_paper_code_in_one_run(paper_repo, tmp_path):
     out = tmp_path / "bench.json"
-    run_script("tools.bench", "--backbones", "DiT-T/8", "--batch-sizes", "2", "--steps", "2", "--warmup", "1",
+    run_script("lab.bench", "--backbones", "DiT-T/8", "--batch-sizes", "2", "--steps", "2", "--warmup", "1",
                "--sections", "training", "--paper-code", paper_repo, "--out", out, check=True)
     rows = json.loads(out.read_text())["training"]
     variants = [(r["code"], r["mode"], r["model"]) for r in rows]
@@ -122,7 +122,7 @@ def test_bench_suite_section_times_the_evaluator_and_reads_its_peak_memory(tmp_p
     wrapper and reads the wrapper's peak-memory line. The evaluator itself runs end to end in
     test_evaluator_cli (its two 2048-dim matrix square roots take a minute on 2 cores), so here the wrapper
     runs for real on `--help` (the line is printed at any exit) and the section's child gets its output."""
-    from tools import bench_evaluation
+    from lab import bench_evaluation
 
     wrapper = subprocess.run([sys.executable, "-c", bench_evaluation._MEASURED_EVALUATOR, "--help"],
                              cwd=bench_evaluation.REPO, capture_output=True, text=True, timeout=120)
@@ -149,7 +149,7 @@ def test_bench_suite_section_times_the_evaluator_and_reads_its_peak_memory(tmp_p
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench", "--sections", "suite", "--suite-samples", "8", "--suite-ref", "4",
                                       "--suite-batch", "4", "--tmp-dir", str(tmp_path), "--out", str(out)])
-    from tools import bench
+    from lab import bench
 
     bench.main()
     assert seen["shapes"] == [(4, 256, 256, 3), (8, 256, 256, 3)]
@@ -170,7 +170,7 @@ def test_bench_metric_and_fid_sections_time_each_stage(tmp_path, monkeypatch, ca
     on 2 cores; the real ones run in the suite test above and in test_evaluator_cli) replaced by recorders.
     The metric stage's child-process code is executed as written; the fid section decodes with a tiny VAE
     folder through the real loading code."""
-    from tools import bench, bench_evaluation
+    from lab import bench, bench_evaluation
 
     seen = {}
     monkeypatch.setattr(bench_evaluation, "metrics_from_features", lambda feats, ref, device: seen.update(
@@ -209,13 +209,13 @@ def test_bench_metric_and_fid_sections_time_each_stage(tmp_path, monkeypatch, ca
     (lambda p: (p / "dit.py").write_text("import not_a_module\n") and p, "importing"),
 ])
 def test_bench_rejects_a_bad_paper_code_folder(paper_repo, make_bad, needle):
-    proc = run_script("tools.bench", "--backbones", "DiT-T/8", "--sections", "training",
+    proc = run_script("lab.bench", "--backbones", "DiT-T/8", "--sections", "training",
                       "--paper-code", make_bad(paper_repo))
     assert_one_line_error(proc, needle)
 
 
 def test_bench_rejects_an_unknown_backbone():
-    assert_one_line_error(run_script("tools.bench", "--backbones", "DiT-Q/2"), "unknown backbone")
+    assert_one_line_error(run_script("lab.bench", "--backbones", "DiT-Q/2"), "unknown backbone")
 
 
 def test_position_embedding_has_dits_layout():
@@ -232,7 +232,7 @@ def test_position_embedding_has_dits_layout():
 
 def test_bench_loader_section_writes_samples_per_second(tmp_path, monkeypatch):
     """`--sections loader` without --loader-path writes its own tiny shards and times the trainer's loader."""
-    from tools import bench
+    from lab import bench
 
     out = tmp_path / "loader.json"
     monkeypatch.setattr(sys, "argv", ["bench", "--sections", "loader", "--loader-samples", "48", "--loader-batch", "4",

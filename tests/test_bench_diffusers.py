@@ -1,11 +1,11 @@
-"""tools/bench_diffusers.py on tiny sizes: a record with both architectures, a FLOP bound above 1, its table."""
+"""lab/bench_diffusers.py on tiny sizes: a record with both architectures, a FLOP bound above 1, its table."""
 import json
 
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from tools import bench_diffusers  # noqa: E402
+from lab import bench_diffusers  # noqa: E402
 
 
 def test_bench_writes_a_record_and_table(tmp_path):

@@ -1,4 +1,4 @@
-"""What a GPU run of tools/bench.py needs and a CPU can show: the matmul ceiling's memory, out-of-memory
+"""What a GPU run of lab/bench.py needs and a CPU can show: the matmul ceiling's memory, out-of-memory
 variants, micro-batches, activation checkpointing, the float32 block after a route, and the FID section's
 stages, partial record, VAE batches and fixed compiled batch shape."""
 import json
@@ -14,7 +14,7 @@ from conftest import assert_one_line_error, run_script, save_tiny_vae
 from dit import get_model
 from edm import EDMPrecond
 from generation.generate import generate, make_sampler
-from tools import bench, bench_evaluation, bench_timing
+from lab import bench, bench_evaluation, bench_timing
 
 TINY = ["--backbones", "DiT-T/8", "--steps", "1", "--warmup", "1", "--sections", "training"]
 
@@ -140,7 +140,7 @@ def test_default_micro_batch_fits_xl2_at_batch_256_and_a_bad_one_is_one_line():
     assert bench.micro_batch_for(args, "DiT-B/2", 256) == 256
     assert bench.micro_batch_for(bench.parse_args(["--batch-sizes", "256", "--micro-batch", "64"]), "DiT-XL/2",
                                 256) == 64
-    assert_one_line_error(run_script("tools.bench", "--batch-sizes", "8", "12", "--micro-batch", "8"),
+    assert_one_line_error(run_script("lab.bench", "--batch-sizes", "8", "12", "--micro-batch", "8"),
                           "--micro-batch 8 does not divide batch size(s) [12]")
 
 

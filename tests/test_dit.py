@@ -77,7 +77,7 @@ def test_the_authors_model_keys_are_accepted():
 
 @pytest.mark.skipif(not os.environ.get("TREAD_PAPER_CODE"), reason="set TREAD_PAPER_CODE=<clone of CompVis/tread>")
 def test_official_init_matches_the_paper_code_parameter_by_parameter():
-    from tools.paper_code import load_paper_dit
+    from lab.paper_code import load_paper_dit
 
     theirs_module = load_paper_dit(os.environ["TREAD_PAPER_CODE"])
     torch.manual_seed(0)

@@ -444,10 +444,10 @@ def test_blocks_inside_list_items_are_read_and_close_at_their_indentation():
     """An indented fence (a list item's code block) is a block like any other; the prose after it is still read,
     so no later command is lost to fences paired wrongly."""
     text = ("- item:\n  ```bash\n  python train.py \\\n      model=dit\n  ```\n  and `python sample.py ckpt=a`\n\n"
-            "```bash\npython fid.py calc\n```\n`python -m tools.bench`\n")
+            "```bash\npython fid.py calc\n```\n`python -m lab.bench`\n")
     found = [(c.line, " ".join(c.text.split()), c.inline) for c in doc_commands(REPO / "README.md", text)]
     assert found == [(3, "python train.py model=dit", False), (9, "python fid.py calc", False),
-                     (6, "python sample.py ckpt=a", True), (11, "python -m tools.bench", True)]
+                     (6, "python sample.py ckpt=a", True), (11, "python -m lab.bench", True)]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.doc}:{c.line}")
@@ -475,7 +475,7 @@ def test_documented_command_runs_as_written(command):
     ("STEPS=9 scripts/no_such_script.sh", "no script scripts/no_such_script.sh"),
     ("python -m data.extract_latents convert-maskdit a b --resolution 512", "--resolution"),
     ('pip install -e ".[no_such_extra]"', "no_such_extra"),
-    ("TREAD_NO_SUCH_VAR=1 python -m tools.bench", "TREAD_NO_SUCH_VAR"),
+    ("TREAD_NO_SUCH_VAR=1 python -m lab.bench", "TREAD_NO_SUCH_VAR"),
     ("python train.py dataset=imagenet256 dataset.train_path=/data/imagenet256-latents", "ref_batch"),
 ])
 def test_broken_commands_are_refused(text, needle):

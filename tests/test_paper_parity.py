@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tools.paper_parity import TOLERANCE, failures, routed_forward_parity, sampler_parity, training_step_parity
+from lab.paper_parity import TOLERANCE, failures, routed_forward_parity, sampler_parity, training_step_parity
 
 PAPER_CODE = os.environ.get("TREAD_PAPER_CODE")
 pytestmark = pytest.mark.skipif(not PAPER_CODE, reason="set TREAD_PAPER_CODE=<clone of CompVis/tread>")

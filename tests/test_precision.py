@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 
 import sample
 from conftest import REPO, TINY_MODEL, TINY_ROUTE
-from tools import bench
+from lab import bench
 from training import loop
 from training.checkpoint import load_checkpoint
 from training.loop import save_snapshot, setup

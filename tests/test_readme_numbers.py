@@ -200,6 +200,14 @@ def test_not_yet_measured_is_still_unmeasured():
 def test_diffusers_table_is_the_benchmark_json():
     bench = json.loads((PERF / "diffusers_cpu.json").read_text())
     runs = {r["arch"]: r for r in bench["rows"]}
+    log = (PERF / "finetune_lora_digits.log").read_text()
+    m = re.search(r"step time: unrouted (\d+) ms, routed (\d+) ms .*speed-up ([\d.]+)x, FLOP bound ([\d.]+)x .*"
+                  r"speed-up / bound ([\d.]+)", log)
+    runs["flux, the example (LoRA)"] = dict(arch="example", unrouted_step_s=float(m[1]) / 1000,
+                                            routed_step_s=float(m[2]) / 1000, speedup=float(m[3]),
+                                            flop_bound=float(m[4]), speedup_vs_bound=float(m[5]))
+    losses = [float(v) for v in re.findall(r"eval loss \(unrouted, held-out\) ([\d.]+)", log)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] / 2, losses  # the example learns
     rows = table(README, "| architecture | unrouted step (ms) |")
     assert {row["architecture"] for row in rows} == set(runs)
     for row in rows:
@@ -209,7 +217,7 @@ def test_diffusers_table_is_the_benchmark_json():
         assert_close(row["speed-up"], run["speedup"], f"{run['arch']} speed-up")
         assert_close(row["FLOP bound"], run["flop_bound"], f"{run['arch']} FLOP bound")
         assert_close(row["speed-up / bound"], run["speedup_vs_bound"], f"{run['arch']} speed-up / bound")
-    assert "python -m tools.bench_diffusers --out docs/perf/diffusers_cpu.json" in README
+    assert "python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json" in README
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -276,7 +284,18 @@ PROSE = {
     "50K": ("the ImageNet preset's evaluation interval; ADM's 50K samples", lambda: imagenet().train.eval.eval_interval),
     "5K": ("the ImageNet preset's FID sample count", lambda: imagenet().train.eval.fid_num_samples),
     "0.42": ("the diffusers version apply_tread is tested on", lambda: tested_diffusers()),
+    "2.11": ("a torch whose compile check passed", lambda: compile_check_passed("2.11")),
+    "2.14": ("a torch whose compile check passed", lambda: compile_check_passed("2.14")),
 }
+
+
+def compile_check_passed(minor: str) -> float:
+    """The torch version of a committed compile-check log that shows one graph, no break and every test passed."""
+    (log,) = PERF.glob(f"compile_check_torch{minor}.*.txt")
+    text = log.read_text()
+    assert re.search(r": 1 graph\(s\), 0 break\(s\)", text) and not re.search(r"break\(s\)[^\n]*first", text)
+    assert re.search(rf"^torch {re.escape(minor)}\.\d+: \d+ passed, 0 failed, 0 errors$", text, re.M), log
+    return float(minor)
 
 
 def tested_diffusers() -> float:

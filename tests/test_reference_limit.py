@@ -1,4 +1,4 @@
-"""tools/digits_reference_limit.py: each draw scores the training digits it names with the in-training metrics
+"""lab/digits_reference_limit.py: each draw scores the training digits it names with the in-training metrics
 (evaluate_digits, class_accuracy) against the held-out split, the table is mean ± sample std over the draws, and
 bad input is one error line."""
 import json
@@ -13,7 +13,7 @@ from evaluations.digits_classifier import class_accuracy, evaluate_digits, load_
 
 
 def test_draws_are_the_named_training_digits_scored_like_samples(tmp_path):
-    run_script("tools.digits_reference_limit", "--num-samples", 64, "--draws", 2, "--seed", 5, "--out", tmp_path,
+    run_script("lab.digits_reference_limit", "--num-samples", 64, "--draws", 2, "--seed", 5, "--out", tmp_path,
                check=True)
     result = json.loads((tmp_path / "reference_limit.json").read_text())
     assert (result["num_samples"], result["reference_size"], result["train_size"]) == (64, 297, 1500)
@@ -33,5 +33,5 @@ def test_draws_are_the_named_training_digits_scored_like_samples(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [(["--num-samples", "2"], "at least 4"), (["--draws", "0"], "--draws")])
 def test_bad_input_is_one_error_line(tmp_path, args, needle):
-    assert_one_line_error(run_script("tools.digits_reference_limit", *args, "--out", tmp_path), needle)
+    assert_one_line_error(run_script("lab.digits_reference_limit", *args, "--out", tmp_path), needle)
     assert not (tmp_path / "reference_limit.json").exists()

@@ -223,12 +223,12 @@ def test_flop_report_counts_path_drop_guidance_against_cfg():
 
 
 def test_guidance_eval_scores_cfg_and_pdg_at_equal_network_evaluations(tmp_path, capsys):
-    """tools.guidance_eval on a 2-step sprint run: one row per setting, CFG and PDG with the same NFE and
+    """lab.guidance_eval on a 2-step sprint run: one row per setting, CFG and PDG with the same NFE and
     network passes, PDG with fewer FLOPs; a run without sprint routes is refused in one line."""
     import json
 
     from conftest import run_script, tiny_overrides
-    from tools import guidance_eval
+    from lab import guidance_eval
 
     from concurrent.futures import ThreadPoolExecutor
 

@@ -1,4 +1,4 @@
-"""tools/study_report.py on synthetic run dirs written as train.py writes them (config.yaml, status.json,
+"""lab/study_report.py on synthetic run dirs written as train.py writes them (config.yaml, status.json,
 metrics.jsonl with log and evaluation records): its bands and Welch p-values equal numpy/scipy on the same
 numbers, copying stops the comparison, one seed gets no band or p-value, bad input is a one-line error;
 and scripts/toy_study.sh's stages launch jobs that compose with the expected settings."""
@@ -12,7 +12,7 @@ import yaml
 from scipy import stats
 
 from conftest import REPO, assert_one_line_error, compose_cfg, expand, run_script, script_calls
-from tools import study_report
+from lab import study_report
 from tools.report import load_runs
 
 STEPS = [250, 500, 750]
@@ -90,7 +90,7 @@ def test_bands_are_mean_and_sample_std_over_seeds(tmp_path):
 
 def test_welch_table_equals_scipy_and_step_cost_is_measured(tmp_path):
     out = tmp_path / "out"
-    run_script("tools.study_report", compare_root(tmp_path), "--out", out, check=True)
+    run_script("lab.study_report", compare_root(tmp_path), "--out", out, check=True)
     rows = study_csv(out)
     assert [(int(r["step"]), r["metric"]) for r in rows] == [(s, m) for s in STEPS for m in ("fid", "class_acc")]
     for r in rows:
@@ -127,7 +127,7 @@ def test_each_configurations_last_grid_is_copied_and_shown(tmp_path):
         for step in STEPS:
             (run / "samples" / f"step_{step:08d}.png").write_bytes(f"{run.name} {step}".encode())
     out = tmp_path / "out"
-    run_script("tools.study_report", root, "--out", out, check=True)
+    run_script("lab.study_report", root, "--out", out, check=True)
     md = (out / "study.md").read_text()
     for name, stem in (("global_seed=0,model=dit", "study_compare_dit_samples"),
                        ("global_seed=0,model=tread", "study_compare_tread_2_8_0.5_samples")):
@@ -141,7 +141,7 @@ def test_cost_part_gives_the_step_cost_alone_and_no_evaluations_are_expected_of_
     write_run(cost, "global_seed=0,model=dit", "dit", evals=[], speed=2.0)
     write_run(cost, "global_seed=0,model=tread", "tread", evals=[], speed=3.0)
     out = tmp_path / "out"
-    run_script("tools.study_report", compare_root(tmp_path), cost, "--out", out, check=True)
+    run_script("lab.study_report", compare_root(tmp_path), cost, "--out", out, check=True)
     md = (out / "study.md").read_text()
     alone = md.split("## Step cost with the machine to itself")[1]
     assert "| cost | dit | 1 | 2 | 1.00x |" in alone and "| cost | tread 2->8 @ 0.5 | 1 | 3 | 1.50x |" in alone
@@ -182,7 +182,7 @@ def test_placement_chart_and_unfinished_runs_are_listed(tmp_path):
     base = study_report.placement_baseline([r for r in runs if r["dir"].parent == placement], runs)
     assert base == {("DiT-D/4", "digits"): (pytest.approx(np.mean([fid_of("dit", s, 500) for s in range(3)])), 3)}
     out = tmp_path / "out"
-    run_script("tools.study_report", compare, placement, "--out", out, check=True)
+    run_script("lab.study_report", compare, placement, "--out", out, check=True)
     assert (out / "study_placement_routes.png").stat().st_size > 0
     md = (out / "study.md").read_text()
     assert "| placement/still_going | running | 250 | 1 |" in md and "| placement/failed | failed |" in md
@@ -200,7 +200,7 @@ def test_bad_input_is_one_error_line(tmp_path, case):
     path = tmp_path / "nothing"
     if case == "empty":
         path.mkdir()
-    proc = run_script("tools.study_report", path, "--out", tmp_path / "out")
+    proc = run_script("lab.study_report", path, "--out", tmp_path / "out")
     assert proc.returncode == 2
     assert_one_line_error(proc, "not a directory" if case == "missing" else "no run directory")
 
@@ -234,8 +234,8 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep",
                                ARCHIVE=str(tmp_path / "archive"))
     assert proc.returncode == 0, proc.stderr
-    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 11 + [["-m", "tools.guidance_eval"],
-                                                                 ["-m", "tools.study_report"], ["-m", "tools.digits_reference_limit"]]
+    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 11 + [["-m", "lab.guidance_eval"],
+                                                                 ["-m", "lab.study_report"], ["-m", "lab.digits_reference_limit"]]
     assert calls[-2][2:] == [str(results / "compare"), "--out", "rep"]
     assert calls[-1][2:] == ["--num-samples", "512", "--out", "rep/reference_limit"]
     jobs = study_jobs(calls[:7], results)
@@ -297,7 +297,7 @@ def test_toy_study_runs_only_the_chosen_stages(tmp_path):
     (tmp_path / "pdg").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "pdg", STAGES="guidance", GUIDANCE_RUN="sprint_off",
                                RESULTS="r", REPORT="rep")
-    assert proc.returncode == 0 and calls[0][:2] == ["-m", "tools.guidance_eval"]
+    assert proc.returncode == 0 and calls[0][:2] == ["-m", "lab.guidance_eval"]
     assert calls[0][2] == ("r/platform/global_seed=0,model.params.routes.0.end_layer_idx=9,model.params.routes.0.fusion="
                            "sprint,model.params.routes.0.selection_ratio=0.75,model=tread,train.routing_off_after=2400")
     assert calls[0][-2:] == ["--out", "rep/guidance_sprint_off"]
@@ -362,7 +362,7 @@ def test_ratio_part_borrows_compares_runs_up_to_its_own_last_step(tmp_path):
     assert max(parts["compare"][0]["evals"]) == 750  # compare itself is untouched
     assert study_report.borrow_compare_runs({"ratio": parts["ratio"]}) == {"ratio": parts["ratio"]}
     out = tmp_path / "out"
-    run_script("tools.study_report", compare, ratio, "--out", out, check=True)
+    run_script("lab.study_report", compare, ratio, "--out", out, check=True)
     md = (out / "study.md").read_text()
     table = md[md.index("## Selection ratio"):]
     assert "| ratio | dit | 3 |" in table and "| ratio | tread 2->8 @ 0.5 | 3 |" in table and "| 500 |" in table
@@ -404,15 +404,15 @@ def test_untimed_runs_are_compared_per_step_only(tmp_path):
         write_run(root, f"global_seed={seed},model=dit", "dit", seed, speed=2.0)
         write_run(root, f"global_seed={seed},model=tread", "tread", seed, speed=30.0)
     plain, untimed = tmp_path / "plain", tmp_path / "untimed"
-    run_script("tools.study_report", root, "--out", plain, check=True)
-    run_script("tools.study_report", root, "--out", untimed, "--untimed", "*model=tread", check=True)
+    run_script("lab.study_report", root, "--out", plain, check=True)
+    run_script("lab.study_report", root, "--out", untimed, "--untimed", "*model=tread", check=True)
     assert study_csv(untimed) == study_csv(plain)  # the per-step comparison is unchanged
     md, before = (untimed / "study.md").read_text(), (plain / "study.md").read_text()
     assert "| compare | tread 2->8 @ 0.5 | 3 | 30.00 | 15.00x |" in before
     assert "## At equal training time" in before  # tread's row there, and its step cost, are gone:
     assert "| compare | tread 2->8 @ 0.5 |" not in md and "| compare | dit | 3 | 2 | 1.00x |" in md
     assert "Compared per step only" in md and "global_seed=2,model=tread" in md
-    assert_one_line_error(run_script("tools.study_report", root, "--out", tmp_path / "typo", "--untimed", "*model=traed"),
+    assert_one_line_error(run_script("lab.study_report", root, "--out", tmp_path / "typo", "--untimed", "*model=traed"),
                           "--untimed *model=traed matches no run")
     time_svg = (untimed / "study_compare_vs_time.svg").read_text()
     assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" not in time_svg and "dit (3 seed(s))" in time_svg

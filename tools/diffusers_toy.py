@@ -1,4 +1,4 @@
-"""Shared by tools/finetune_lora.py and tools/bench_diffusers.py: random FLUX- and SD3-architecture
+"""Shared by tools/finetune_lora.py and lab/bench_diffusers.py: random FLUX- and SD3-architecture
 transformers, a tiny fixed text encoder, the flow-matching training step those models train with, and the
 timing / FLOP-bound measurement of a routed against an unrouted step."""
 import statistics

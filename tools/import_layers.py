@@ -20,6 +20,7 @@ LAYERS = [
     ["generation"],
     ["training"],
     ["train", "sample", "fid", "tools"],
+    ["lab"],
 ]
 SKIP_DIRS = {"tests", "docs", "configs", "scripts", "build"}
 

@@ -289,7 +289,7 @@ def write_report(runs, out, sources, replaced):
 
 def build_parser(description=__doc__.split("\n")[0], module="tools.report", paths_help="run directories or "
                  "folders of runs (searched recursively)", outputs="report.md, report.csv") -> argparse.ArgumentParser:
-    """Shared by tools/study_report.py: folders of runs in, an output folder out, errors as one line."""
+    """Shared by lab/study_report.py: folders of runs in, an output folder out, errors as one line."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("paths", nargs="+", help=paths_help)
     parser.add_argument("--out", default="report", help=f"output folder for {outputs} and plots")

@@ -1,4 +1,4 @@
-"""The plots of tools/report.py and tools/study_report.py: FID curves and the route-placement chart, each
+"""The plots of tools/report.py and lab/study_report.py: FID curves and the route-placement chart, each
 written as PNG and SVG (matplotlib, loaded only when a plot is drawn; SVGs are reproducible byte for byte)."""
 
 

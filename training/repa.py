@@ -8,7 +8,7 @@ total loss = diffusion loss + weight * mean over tokens of -cos(projector(h), te
   (their model's init applies to it);
 * teacher: frozen, eval mode, no gradient, run on the clean input: the training image itself on the digits,
   the image stored beside the latents on shards (`extract_latents --images`), computed online
-  (`training/repa_teachers.py`; the storage against the compute: `python -m tools.repa_cost`). If its patch
+  (`training/repa_teachers.py`; the storage against the compute: `python -m lab.repa_cost`). If its patch
   grid differs from the DiT token grid, its features are resized to the token grid (bilinear, antialiased when
   shrinking);
 * under routing: if the block lies inside a route (start <= block <= end; routes here include their end

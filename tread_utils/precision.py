@@ -1,5 +1,5 @@
 """The precision policy, decided once here and applied by train.py (and so the in-training evaluation),
-sample.py and tools/bench.py alike, so that a benchmark times what the trainer runs.
+sample.py and lab/bench.py alike, so that a benchmark times what the trainer runs.
 
 TF32 on by default, as the authors' train.py sets it: float32 matmuls (and cuDNN convolutions, e.g. the
 SD-VAE decoder) use TF32 tensor cores on Ampere and newer GPUs. Under bf16/fp16 autocast this matters for

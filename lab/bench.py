@@ -1,16 +1,16 @@
 """Benchmarks: training-step time of DiT against TREAD, measured against the FLOP-count bound.
 
-    python -m tools.bench --backbones DiT-S/2 DiT-B/2 --batch-sizes 8 --compile both --paper-code ../tread \
+    python -m lab.bench --backbones DiT-S/2 DiT-B/2 --batch-sizes 8 --compile both --paper-code ../tread \
         --out docs/perf/cpu.json
-    python -m tools.bench --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile --fp32-after-route both \
+    python -m lab.bench --backbones DiT-XL/2 --batch-sizes 256 --dtype bf16 --compile --fp32-after-route both \
         --sections training  # one GPU
-    python -m tools.bench --backbones DiT-B/2 --dtype bf16 --sections fid suite   # FID-5K, ADM suite on 50K
+    python -m lab.bench --backbones DiT-B/2 --dtype bf16 --sections fid suite   # FID-5K, ADM suite on 50K
 
 Sections (`--sections`): training (below); sampling (EDM Heun images/s and network evaluations per
 image, unguided / CFG / CFG inside a guidance interval); evaluator (Inception images/s); suite (the
 ADM evaluator end to end on 50K samples, with its peak host memory), metrics (its metric stage alone
-on random features) and fid (in-training FID on 5K samples, stage by stage), all in tools/bench_evaluation.py;
-loader (the training data loader alone, samples/s) in tools/bench_loader.py.
+on random features) and fid (in-training FID on 5K samples, stage by stage), all in lab/bench_evaluation.py;
+loader (the training data loader alone, samples/s) in lab/bench_loader.py.
 
 For every backbone x batch size x {dit, tread} it times full training steps (EDM loss forward,
 backward, AdamW step), and reports images/s, peak memory, the training-step FLOPs
@@ -19,7 +19,7 @@ device in the same run, and for TREAD the measured speed-up next to the FLOP bou
 The route is 2 -> depth-4 at ratio 0.5 (2 -> 8 for 12 blocks, 2 -> 24 for DiT-XL).
 With `--paper-code DIR` (a clone of github.com/CompVis/tread, never copied here) the paper's own DiT
 is timed in the same run on the same model, batch and data, after checking that it computes our
-function (tools/paper_code.py). Each variant is built, compiled and timed alone (the others freed, dynamo
+function (lab/paper_code.py). Each variant is built, compiled and timed alone (the others freed, dynamo
 reset), so its peak memory is its own and no compiled variant can fall back to eager unnoticed; a variant
 that runs out of memory is recorded as such (`"oom": true` with its batch and micro-batch) and the next one
 runs. `--micro-batch` accumulates gradients (DiT-L/2 and DiT-XL/2 do by default above 128), `--grad-checkpointing`
@@ -41,13 +41,13 @@ import torch
 from dit import DiT_models, get_model
 from edm import EDMLoss, EDMPrecond, edm_sampler
 from edm.guidance import ClassifierFreeGuidance, NFECounter
-from tools.bench_evaluation import (IMAGENET_LATENT, bench_evaluator, bench_metrics, bench_suite, bench_training_fid,
+from lab.bench_evaluation import (IMAGENET_LATENT, bench_evaluator, bench_metrics, bench_suite, bench_training_fid,
                                     sync)
-from tools.bench_loader import add_loader_args, bench_loader
-from tools.bench_timing import matmul_ceiling, time_or_out_of_memory
-from tools.bench_tables import (loader_table, metrics_table, sampling_table, suite_table, training_fid_table,
+from lab.bench_loader import add_loader_args, bench_loader
+from lab.bench_timing import matmul_ceiling, time_or_out_of_memory
+from lab.bench_tables import (loader_table, metrics_table, sampling_table, suite_table, training_fid_table,
                                 training_table)
-from tools.paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
+from lab.paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
 from training.flops import training_step_flops
 from training.loop import build_adamw
 from tread_utils.errors import UserError, report_user_errors

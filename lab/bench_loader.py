@@ -1,6 +1,6 @@
-"""Loader section of tools/bench.py: samples/s of the training data path alone, no model.
+"""Loader section of lab/bench.py: samples/s of the training data path alone, no model.
 
-    python -m tools.bench --sections loader --loader-path /data/imagenet256-latents --loader-workers 8
+    python -m lab.bench --sections loader --loader-path /data/imagenet256-latents --loader-workers 8
 
 The trainer's own loader (`LatentShardDataset`, `ResumableBatchSampler`, a DataLoader with persistent
 workers) reads `--loader-batches` batches of `--loader-batch` samples over the shard folder `--loader-path`.

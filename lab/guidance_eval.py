@@ -1,7 +1,7 @@
 """Guidance at equal network evaluations on one checkpoint: unguided, classifier-free guidance and SPRINT's
 path-drop guidance, scored as in-training evaluation scores (the same sampler, seeds and metrics).
 
-    python -m tools.guidance_eval results/platform/RUN --cfg-scales 1.5 2 --pdg-scales 1.5 2 --out docs/results/guidance
+    python -m lab.guidance_eval results/platform/RUN --cfg-scales 1.5 2 --pdg-scales 1.5 2 --out docs/results/guidance
 
 Both guidances make two network passes per sampler evaluation (CFG: conditional and unconditional; PDG: the
 full model and the model without its deep paths), so at one sampler setting they spend the same number of
@@ -38,7 +38,7 @@ def nonnegative_float(text: str) -> float:
 
 
 def build_parser():
-    p = ArgumentParser(prog="python -m tools.guidance_eval", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m lab.guidance_eval", description=__doc__.split("\n")[0])
     p.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint file")
     p.add_argument("--cfg-scales", type=nonnegative_float, nargs="*", default=[1.5],
                    help="classifier-free guidance scales (default 1.5)")

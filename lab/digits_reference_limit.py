@@ -3,7 +3,7 @@ many as an in-training evaluation samples, scored by the same metrics (the shipp
 IS, precision, recall and class_acc). A sampler that drew the training distribution perfectly would score
 about this, so FID differences well inside the spread of these draws are not resolved by this reference set.
 
-    python -m tools.digits_reference_limit --num-samples 512 --draws 10 --out docs/results/reference_limit
+    python -m lab.digits_reference_limit --num-samples 512 --draws 10 --out docs/results/reference_limit
 
 Each draw takes --num-samples training digits without replacement (with replacement above the 1,500 of the
 training split) with its own seed; the table gives mean ± sample std over the draws, and one row for the whole
@@ -59,7 +59,7 @@ def markdown(result: dict) -> str:
 
 
 def build_parser():
-    p = ArgumentParser(prog="python -m tools.digits_reference_limit", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m lab.digits_reference_limit", description=__doc__.split("\n")[0])
     p.add_argument("--num-samples", type=positive_int, default=512, help="training digits per draw (default 512, "
                    "the toy study's evaluation size)")
     p.add_argument("--draws", type=positive_int, default=10, help="draws, each with its own seed (default 10)")

@@ -1,6 +1,6 @@
 """Train the digits feature network (evaluations/digits_classifier.py) on the digits 'train' split.
 
-    python -m tools.train_digits_classifier [--out evaluations/digits_classifier.pt]
+    python -m lab.train_digits_classifier [--out evaluations/digits_classifier.pt]
                                                   [--epochs 40] [--seed 0]
 
 CPU, about half a minute (one thread). Augmentation (small random rotations/scalings/shifts, contrast changes,

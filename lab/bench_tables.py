@@ -1,4 +1,4 @@
-"""Markdown tables of tools/bench.py's sections, written beside its JSON record."""
+"""Markdown tables of lab/bench.py's sections, written beside its JSON record."""
 
 
 def simple_table(header, rows, cells):

@@ -1,7 +1,7 @@
 """Bench: the routed against the unrouted training step of mid-size random FLUX- and SD3-architecture diffusers
 transformers (apply_tread), with the FLOP bound from torch.utils.flop_counter.
 
-    python -m tools.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
+    python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights, on random latents and
 text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
@@ -82,7 +82,7 @@ def main(argv=None):
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs "
                f"(1-minute load average {load_before[0]:.1f} before, {load_after[0]:.1f} after), torch "
                f"{torch.__version__}, {torch.get_num_threads()} threads, fp32")
-    record = dict(command="python -m tools.bench_diffusers " + " ".join(argv if argv is not None else sys.argv[1:]),
+    record = dict(command="python -m lab.bench_diffusers " + " ".join(argv if argv is not None else sys.argv[1:]),
                   machine=machine, routes=ROUTES["routes"], rows=rows)
     if args.out:
         out = Path(args.out)

@@ -1,5 +1,5 @@
 """Load the paper's own DiT (github.com/CompVis/tread: dit.py + routing_module.py) from a folder outside
-this repo, so tools/bench.py can time it next to ours in the same run. Nothing of it is copied here.
+this repo, so lab/bench.py can time it next to ours in the same run. Nothing of it is copied here.
 
 Two things stand between the published files and a training step, and both are bridged without
 editing them:

@@ -1,4 +1,4 @@
-"""How tools/bench.py times a variant on a device: the matmul ceiling MFU is measured against, CUDA-event timing,
+"""How lab/bench.py times a variant on a device: the matmul ceiling MFU is measured against, CUDA-event timing,
 peak memory, and one variant built and timed alone, its out-of-memory failure caught and its memory freed."""
 import functools
 import gc
@@ -8,7 +8,7 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from tools.bench_evaluation import peak_rss_mb, sync
+from lab.bench_evaluation import peak_rss_mb, sync
 
 
 def matmul_ceiling(device, dtype, size=None, min_seconds=0.5, trials=3) -> float:

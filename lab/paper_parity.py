@@ -1,13 +1,13 @@
 """Parity with the authors' code (CompVis/tread): one full training step, routed forwards, one sampling run.
 
-    python -m tools.paper_parity --paper-code ../tread                 # DiT-S/2, dit and tread
+    python -m lab.paper_parity --paper-code ../tread                 # DiT-S/2, dit and tread
     TREAD_PAPER_CODE=../tread python -m pytest tests/test_paper_parity.py
 
 With the same weights, the same batch, the same sigma and noise draws and the same kept tokens, our code and
 theirs must give the same loss, the same gradients, the same parameters after AdamW and the same EMA, and the
 same routed forward in training and with routing forced at inference; our EDM sampler and theirs must give
 the same samples from the same model and noise. Their files are loaded from a clone outside this repo
-(`tools.paper_code`), never copied. Their EDM code imports deepspeed and transformers for helpers, and their
+(`lab.paper_code`), never copied. Their EDM code imports deepspeed and transformers for helpers, and their
 SD-VAE wrapper, that none of these functions use; those modules are stubbed while it loads.
 
 How the draws are made equal: each side's loss runs with the global stream seeded identically, and both
@@ -28,7 +28,7 @@ import torch
 import routing_module
 from dit import get_model
 from edm import EDMLoss, EDMPrecond, edm_sampler
-from tools.paper_code import exec_module, build_paper_model, eager_context, load_our_weights, load_paper_dit
+from lab.paper_code import exec_module, build_paper_model, eager_context, load_our_weights, load_paper_dit
 from training.loop import build_adamw
 from tread_utils.errors import UserError, report_user_errors
 

@@ -1,7 +1,7 @@
 """REPA's teacher on ImageNet 256: storage of precomputed features against the compute of an online teacher.
 
-    python -m tools.repa_cost                      # bytes, FLOPs, and a timing on this machine (random weights)
-    python -m tools.repa_cost --batch 32 --repeats 5   # on a GPU: a larger batch, the timing in bfloat16
+    python -m lab.repa_cost                      # bytes, FLOPs, and a timing on this machine (random weights)
+    python -m lab.repa_cost --batch 32 --repeats 5   # on a GPU: a larger batch, the timing in bfloat16
 
 Bytes: DINOv2-B/14 patch tokens of one 256-px image (16 x 16 x 768, float16), with its flip, against the
 uint8 image itself (its flip costs nothing online). FLOPs: the teacher's forward and a DiT-XL/2 training step

@@ -1,4 +1,4 @@
-"""Evaluation sections of tools/bench.py: what scoring samples costs.
+"""Evaluation sections of lab/bench.py: what scoring samples costs.
 
 - evaluator: images/s of the Inception port's feature pass (all three heads, 256 x 256 inputs).
 - suite: ADM's whole evaluation, `python -m evaluations.evaluator REF SAMPLES`, run as its own process
@@ -121,7 +121,7 @@ def run_stage(row, name, label, save, fn, *args, **kwargs):
 # Runs the evaluator CLI and reports its own peak RSS (MB) on stderr as it exits.
 _MEASURED_EVALUATOR = """
 import atexit, runpy, sys
-from tools.bench_evaluation import peak_rss_mb
+from lab.bench_evaluation import peak_rss_mb
 atexit.register(lambda: print("peak_rss_mb", peak_rss_mb(), file=sys.stderr))
 sys.argv[0] = "evaluator"
 runpy.run_module("evaluations.evaluator", run_name="__main__", alter_sys=True)
@@ -202,7 +202,7 @@ def metric_stage(num_samples, num_ref, device="cpu", seed=0):
 
 
 def bench_metrics(args, device):
-    code = f"from tools.bench_evaluation import metric_stage; metric_stage({args.suite_samples}, {args.suite_ref}, '{device}')"
+    code = f"from lab.bench_evaluation import metric_stage; metric_stage({args.suite_samples}, {args.suite_ref}, '{device}')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the metric stage failed ({proc.returncode}):\n{proc.stderr[-2000:]}")

@@ -4,7 +4,7 @@ chart and the selection-ratio table. A part named `cost` (toy_study.sh's cost st
 evaluation) gives only a step-cost table, measured with the machine to itself, and a second equal-time table
 where every step costs what it cost alone (runs that share the cores slow each other unevenly).
 
-    python -m tools.study_report results/study/compare results/study/placement results/study/ratio --out docs/results
+    python -m lab.study_report results/study/compare results/study/placement results/study/ratio --out docs/results
 
 Each given folder is one part of the study (its runs are grouped and compared only with each other).
 Runs are found and read by tools/report.py. A configuration is (model, routes, ratio); its seeds make
@@ -362,7 +362,7 @@ def write_study(parts, runs, out, sources, replaced=()):
 
 
 def build_parser():
-    parser = report.build_parser(__doc__.split("\n")[0], "tools.study_report", "one folder of runs per part of the "
+    parser = report.build_parser(__doc__.split("\n")[0], "lab.study_report", "one folder of runs per part of the "
                                  "study (compare, placement, ratio)", "study.md, study.csv")
     parser.add_argument("--untimed", action="append", default=[], metavar="PATTERN",
                         help="runs whose folder name matches (fnmatch) are compared per step only, their clock unused")
