@@ -6,11 +6,10 @@ Every dataset is map-style and addressed by a *global* index `epoch * N + i`, so
 dataset draws for a read (a posterior sample, a flip) is a function of that index alone: a resumed
 run sees exactly the batches an uninterrupted one would, whatever the number of loader workers.
 """
-import os
-
 from data.batch_sampler import ResumableBatchSampler
 from data.digits import DigitsDataset
 from data.shards import LatentShardDataset
+from tread_utils.distributed import available_cores
 from tread_utils.errors import UserError
 
 # dataset.kind -> the training dataset for a `dataset` config
@@ -35,7 +34,7 @@ def build_dataset(dataset_cfg, seed: int = 0, teacher_images: bool = False):
 def loader_workers(requested: int) -> tuple:
     """(DataLoader workers per process, a note or ''): `requested` capped at the cores this process may use,
     the most torch's DataLoader accepts without a warning."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     if requested <= cores:
         return requested, ""
     return cores, f"data loader: {cores} worker(s) per process, the cores available (train.general.num_workers={requested})"

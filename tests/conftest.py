@@ -14,6 +14,27 @@ if str(REPO) not in sys.path:
 
 import training.config_schema  # noqa: F401  (stores the schema, the configs' base, in Hydra's ConfigStore)
 
+
+def pin_xdist_worker():
+    """Under pytest-xdist, each worker and everything it starts runs on a core of its own, with one thread:
+    torch's threads on shared cores spin against each other and a run takes many times as long."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if count < 2 or len(cores) < 2:
+        return
+    index = int(worker.removeprefix("gw"))
+    share = max(1, len(cores) // count)
+    os.sched_setaffinity(0, cores[(index * share) % len(cores):][:share])
+    import torch
+
+    torch.set_num_threads(share)
+
+
+pin_xdist_worker()
+
 # A small model so subprocess training runs take seconds: 4 blocks, 32 wide, route 1 -> 2.
 TINY_MODEL = ["+model.params.depth=4", "+model.params.hidden_size=32", "+model.params.num_heads=2"]
 TINY_ROUTE = ["model.params.routes.0.start_layer_idx=1", "model.params.routes.0.end_layer_idx=2"]

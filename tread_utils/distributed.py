@@ -47,13 +47,19 @@ def check_cuda_processes(local_processes=None):
                         f"CUDA_VISIBLE_DEVICES (CUDA_VISIBLE_DEVICES=\"\" runs every process on the CPU)")
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS has one (a cluster job's cgroup, a
+    pinned test worker), else the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def set_cpu_threads(setting, local_processes: int) -> int:
     """torch's and the BLAS libraries' threads in this process: `auto` = this machine's cores shared by
-    its `local_processes`, or an integer. On every device: `accelerate launch` pins OMP_NUM_THREADS=1,
+    its `local_processes` (`available_cores`), or an integer. On every device: `accelerate launch` pins OMP_NUM_THREADS=1,
     which on a GPU run leaves the main process's CPU work (the FID metric stage, numpy, scipy's sqrtm)
     one core. DataLoader workers set their own (torch gives each one thread)."""
     if setting == "auto":
-        threads = max(1, (os.cpu_count() or 1) // max(1, int(local_processes)))
+        threads = max(1, available_cores() // max(1, int(local_processes)))
     else:
         try:
             threads = int(setting)
