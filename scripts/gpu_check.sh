@@ -76,7 +76,7 @@ if [ $DRY = 1 ]; then
   COMPILE=(--compile on --compile-backend eager --device cpu)  # dynamo traces, graphs counted; no inductor build
   FID=(--backbones DiT-T/8 --fid-samples 3 --fid-steps 2 --fid-batch 2 --vae "${BENCH_VAE:-random}" --device cpu)
   SUITE=(--suite-samples 8 --suite-ref 4 --suite-batch 4 --device cpu)
-  PYTEST_CPU=(--collect-only -m "not cuda") PYTEST_CUDA=(--collect-only -m cuda)
+  PYTEST_CPU=(--collect-only -m "not cuda") PYTEST_CUDA=(--collect-only -n 0 -m cuda)
   TRAIN=("+model.params.depth=4" "+model.params.hidden_size=32" "+model.params.num_heads=2"
          train.general.batch_size=16 train.general.num_workers=0 train.logging.tensorboard=false
          train.eval.fid_num_samples=128 train.eval.batch_size=64 train.eval.sampler.num_steps=2)
@@ -87,7 +87,7 @@ else
   COMPILE=(--compile on)
   FID=(--backbones DiT-B/2 --fid-samples 5000 --fid-steps 40 --fid-batch 256)
   SUITE=(--suite-samples 50000 --suite-ref 10000 --suite-batch 250)
-  PYTEST_CPU=(-n 8 -m "not cuda") PYTEST_CUDA=(-m cuda)
+  PYTEST_CPU=(-n 8 -m "not cuda") PYTEST_CUDA=(-n 0 -m cuda)  # -n 0: the CUDA tests one at a time on the one GPU
   TRAIN=() ROUTE=() TRAIN_STEPS=200 TRAIN_COMPILE=true SAMPLES=512 DEVICE=cuda
 fi
 TRAIN+=(train.max_steps=$TRAIN_STEPS train.ckpt_every=$((TRAIN_STEPS / 2)) train.eval.eval_interval=$((TRAIN_STEPS / 2))

@@ -286,7 +286,11 @@ def check_pytest(args: list):
     names = {m.partition(":")[0] for m in markers}
     i = 0
     while i < len(args):
-        if args[i] == "-m":
+        if args[i] == "-n":  # pytest-xdist's workers (the test extra has it)
+            if not (args[i + 1] == "auto" or args[i + 1].isdigit()):
+                raise CommandError(f"pytest -n {args[i + 1]}: give a number of workers or auto")
+            i += 1
+        elif args[i] == "-m":
             if args[i + 1] not in names:
                 raise CommandError(f"pytest marker {args[i + 1]!r} is not registered (have {', '.join(names)})")
             i += 1
