@@ -12,9 +12,9 @@ import json
 import os
 
 from data.shards import _read_manifest
-from data.vae import DEFAULT_VAE
+from data.vae import DEFAULT_VAE, vae_source
 from tread_utils.errors import UserError
-from tread_utils.network import hub_unavailable
+from tread_utils.hub import hub_unavailable
 
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
 
@@ -44,16 +44,9 @@ def _hub_config(repo_id: str):
 def resolve_vae(name: str, option: str):
     """The path of `name`'s config.json when it is here, None when the hub will be asked for it; raises a
     UserError naming `option` (how the command is given a VAE) when it cannot be had."""
-    path = os.path.expanduser(str(name))
-    folder = f"set {option}=DIR, a local diffusers folder holding config.json and the weights"
-    if os.path.isdir(path):
-        config = os.path.join(path, "config.json")
-        if not os.path.isfile(config):
-            raise UserError(f"VAE folder {path} has no config.json; {folder}")
-        return config
-    if os.path.exists(path) or path.startswith((".", "/")) or path.count("/") != 1:
-        raise UserError(f"VAE {name!r} is neither a diffusers folder nor a Hugging Face repo id like "
-                        f"{DEFAULT_VAE}; {folder}")
+    path, is_folder = vae_source(str(name), f"{option}=DIR")
+    if is_folder:
+        return os.path.join(path, "config.json")
     config = _hub_config(path)
     if config is not None:
         return config
@@ -62,7 +55,8 @@ def resolve_vae(name: str, option: str):
         raise UserError(f"VAE weights for {name} are not available: not in the Hugging Face cache, and the hub "
                         f"cannot be tried ({why}); "
                         f"download it with `huggingface-cli download {name}` on a machine with network access "
-                        f"(set HF_HOME to share the cache), or {folder}")
+                        f"(set HF_HOME to share the cache), or set {option}=DIR, a local diffusers folder holding "
+                        f"config.json and the weights")
     return None
 
 

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from tread_utils.errors import UserError
-from tread_utils.network import hub_unavailable
+from tread_utils.hub import hub_unavailable
 
 SD_VAE_SCALE = 0.18215
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
@@ -40,6 +40,25 @@ def _quiet_hub():
                 lg.setLevel(level)
 
 
+def vae_folder_hint(option) -> str:
+    """The fix a VAE error offers, in the calling command's spelling of the option (`--vae DIR`, `vae=DIR`)."""
+    return f"pass a local diffusers folder holding config.json and the weights{f' with {option}' if option else ''}"
+
+
+def vae_source(name_or_path, option=None) -> tuple:
+    """(the name with ~ expanded, whether it is a local folder): a diffusers folder (with config.json) or a
+    Hugging Face repo id like stabilityai/sd-vae-ft-ema; anything else is one line naming `option`."""
+    name = os.path.expanduser(os.fspath(name_or_path))
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise UserError(f"VAE folder {name} has no config.json; {vae_folder_hint(option)}")
+        return name, True
+    if os.path.exists(name) or name.startswith((".", "/")) or name.count("/") != 1:
+        raise UserError(f"VAE {name!r} is neither a diffusers folder nor a Hugging Face repo id like {DEFAULT_VAE}; "
+                        f"{vae_folder_hint(option)}")
+    return name, False
+
+
 def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float32, option=None):
     """Return a frozen diffusers AutoencoderKL in eval mode on `device`.
 
@@ -53,20 +72,15 @@ def load_sd_vae(name_or_path: str = DEFAULT_VAE, device="cpu", dtype=torch.float
         from diffusers import AutoencoderKL
     except ImportError:
         raise UserError("the SD-VAE needs the diffusers package; install it with `pip install diffusers`") from None
-    name_or_path = os.path.expanduser(os.fspath(name_or_path))
-    folder = f"pass a local diffusers folder holding config.json and the weights{f' with {option}' if option else ''}"
-    how_to = f"download it with `huggingface-cli download {DEFAULT_VAE}` (or `hf download {DEFAULT_VAE}`), or {folder}"
-    if os.path.isdir(name_or_path):
-        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
-            raise UserError(f"VAE folder {name_or_path} has no config.json; {how_to}")
+    name_or_path, is_folder = vae_source(name_or_path, option)
+    folder = vae_folder_hint(option)
+    if is_folder:
         try:
             with _quiet_hub():
                 vae = AutoencoderKL.from_pretrained(name_or_path, torch_dtype=dtype)
         except (OSError, ValueError, RuntimeError, KeyError) as e:
-            raise UserError(f"cannot load the VAE from {name_or_path} ({_first_line(e)}); {how_to}") from None
-    elif os.path.exists(name_or_path) or name_or_path.startswith((".", "/")) or name_or_path.count("/") != 1:
-        raise UserError(f"VAE {name_or_path!r} is neither a diffusers folder nor a Hugging Face repo id "
-                        f"like {DEFAULT_VAE}; {how_to}")
+            raise UserError(f"cannot load the VAE from {name_or_path} ({_first_line(e)}); download "
+                            f"{DEFAULT_VAE} with `hf download {DEFAULT_VAE}`, or {folder}") from None
     else:
         vae, err = None, None
         for local_only in (True, False):

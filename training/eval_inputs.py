@@ -7,7 +7,7 @@ a missing file is one line in a few seconds, naming the key that supplies it.
 count from 2: the whole loop runs offline, and its numbers mean nothing.
 """
 from tread_utils.errors import UserError
-from tread_utils.network import HUB_OFFLINE_ENVS, marked_offline, unreachable
+from tread_utils.hub import HUB_OFFLINE_ENVS, marked_offline, unreachable
 
 SMOKE_MIN_SAMPLES = 2
 SMOKE_WARNING = ("train.eval.smoke=true: the in-training FID uses a randomly initialised Inception network; "

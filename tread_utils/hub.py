@@ -1,4 +1,6 @@
-"""Files of a published model: a local folder, or a Hugging Face Hub repository through its cache.
+"""Files from the Hugging Face Hub and other downloads: whether a download can be tried at all (answered in a
+few seconds: an offline cluster node otherwise spends half a minute in the hub client's retries before
+failing), and published models, a local folder or a Hub repository through its cache.
 
 Exported models are a folder with ``config.json`` and ``model.safetensors`` (``python -m tools.export``).
 The weights are read with safetensors only: nothing in such a folder is unpickled.
@@ -7,13 +9,46 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 from tread_utils.errors import UserError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 EXPORT_HINT = "write one with: python -m tools.export RUN_DIR --out DIR"
+
+TRUE = ("1", "true", "yes", "on")
+HUB_OFFLINE_ENVS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+CONNECT_TIMEOUT_S = 3.0
+
+
+def marked_offline(envs=HUB_OFFLINE_ENVS) -> str:
+    """The first of `envs` set to a true value ('HF_HUB_OFFLINE'), or ''."""
+    return next((k for k in envs if os.environ.get(k, "").strip().lower() in TRUE), "")
+
+
+def unreachable(url: str, timeout: float = CONNECT_TIMEOUT_S) -> str:
+    """'' when a TCP connection to `url`'s host opens within `timeout` seconds, else why not (one phrase)."""
+    parsed = urlparse(url)
+    if not parsed.hostname:
+        return f"{url} names no host"
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=timeout):
+            return ""
+    except OSError as e:
+        return f"{parsed.hostname} cannot be reached ({e.strerror or type(e).__name__})"
+
+
+def hub_unavailable() -> str:
+    """'' when the Hugging Face hub can be tried, else why not: HF_HUB_OFFLINE=1, or no connection."""
+    env = marked_offline()
+    if env:
+        return f"{env}=1"
+    return unreachable(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
 
 
 def is_exported_folder(path) -> bool:

@@ -2,7 +2,7 @@
 import socket
 import time
 
-from tread_utils.network import hub_unavailable, unreachable
+from tread_utils.hub import hub_unavailable, unreachable
 
 
 def test_offline_environment_answers_without_a_connection(monkeypatch):
