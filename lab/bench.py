@@ -25,7 +25,8 @@ that runs out of memory is recorded as such (`"oom": true` with its batch and mi
 runs. `--micro-batch` accumulates gradients (DiT-L/2 and DiT-XL/2 do by default above 128), `--grad-checkpointing`
 recomputes each block's forward (MFU counts model FLOPs; HFU adds the recomputation), `--fp32-after-route
 both` times TREAD with and without the authors' float32 block after the route, `--compile-mode` picks
-torch.compile's mode.
+torch.compile's mode, `--profile` records where one more step of each of our variants spends its time
+(kernel categories, top kernels, host syncs; lab/bench_timing.py).
 """
 import argparse
 import contextlib
@@ -193,7 +194,8 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None, save=lambda row
                 routed = model_name == "tread"
                 build = variant_builder(args, paper_dit, backbone, code, mode, model_name, fp32, batch, micro_batch,
                                         device, dtype)
-                measured = time_or_out_of_memory(build, args.steps, args.warmup, device)
+                measured = time_or_out_of_memory(build, args.steps, args.warmup, device,
+                                                 profile=args.profile and code == "ours")
                 row = dict(backbone=backbone, batch=batch, micro_batch=micro_batch, code=code, mode=mode,
                            model=model_name, fp32_after_route=fp32, **measured)
                 name = (f"{backbone} batch {batch} (micro-batch {micro_batch}) {code} {mode} {model_name}"
@@ -214,11 +216,24 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None, save=lambda row
                 hfu = f" (HFU, recomputed forward included, {row['hfu']:.1%})" if "hfu" in row else ""
                 print(f"{name}: {s * 1e3:.1f} ms, MFU {row['mfu']:.1%}{hfu}, "
                       f"{measured['peak_mem_mb'] / 1024:.1f} GiB, {measured['graphs']} graph(s), "
-                      f"{measured['recompiles_while_timed']} recompile(s) while timed", flush=True)
+                      f"{measured['recompiles_while_timed']} recompile(s) while timed, first {args.warmup} step(s) "
+                      f"{measured['warmup_s']:.1f} s", flush=True)
+                if "profile" in measured:
+                    print(profile_summary(name, measured["profile"]), flush=True)
                 save(rows)
             add_speedups(rows[first:], flops[False][0] / flops[True][0])
             save(rows)
     return rows
+
+
+def profile_summary(name, p) -> str:
+    """A profiled step in a few lines: where its time went and how much of it the device was busy."""
+    fp32 = "not recorded by this torch" if p["fp32_matmul_ms"] is None else f"{p['fp32_matmul_ms']:.1f} ms"
+    lines = [f"{name}, one profiled step: {p['wall_ms']:.1f} ms wall, busy {p['busy_ms']:.1f} ms "
+             f"({p['busy_share']:.0%}), {p['host_syncs']} host sync(s), float32 matmuls {fp32}"]
+    lines += [f"    {cat:<30} {ms:9.1f} ms" for cat, ms in p["ms_by_category"].items()]
+    lines += [f"    top: {t['ms']:8.1f} ms x{t['count']:<4} {t['name']}" for t in p["top"][:8]]
+    return "\n".join(lines)
 
 
 def add_speedups(rows, bound):
@@ -279,6 +294,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--fp32-after-route", choices=sorted(FP32_AFTER_ROUTE), default="on",
                         help="training: time tread with the block after its route in float32 (on, the authors' "
                              "numerics, default), under autocast like the others (off), or both")
+    parser.add_argument("--profile", action="store_true",
+                        help="training: after timing each of our variants, run one more step under torch.profiler "
+                             "and record where its time went (JSON: the variant's `profile`)")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype")

@@ -68,24 +68,29 @@ def peak_memory_mb(device) -> float:
     return peak_rss_mb()
 
 
-def time_alone(build, steps, warmup, device) -> dict:
-    """Builds one variant with every other one freed, warms it up (compilation happens here), then times
-    `steps` steps: median seconds per step, peak memory of this variant alone, and what dynamo did (reset
-    first, so a compiled variant can never fall back to eager on an earlier variant's recompile limit)."""
+def time_alone(build, steps, warmup, device, profile=False) -> dict:
+    """Builds one variant with every other one freed, warms it up (compilation happens here: `warmup_s`), then
+    times `steps` steps: median seconds per step, peak memory of this variant alone, and what dynamo did (reset
+    first, so a compiled variant can never fall back to eager on an earlier variant's recompile limit). With
+    `profile`, one more step runs under torch.profiler (`profile_step`)."""
     torch._dynamo.reset()
     counters.clear()
     release_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step = build()
+    t0 = time.perf_counter()
     for _ in range(warmup):
         step()
     sync(device)
-    compiled = dict(frames=int(counters["frames"]["total"]), graphs=int(counters["stats"]["unique_graphs"]),
+    compiled = dict(warmup_s=time.perf_counter() - t0, frames=int(counters["frames"]["total"]),
+                    graphs=int(counters["stats"]["unique_graphs"]),
                     graph_breaks=int(sum(counters["graph_break"].values())))
     times = [timed(device, step) for _ in range(steps)]
     compiled["recompiles_while_timed"] = int(counters["frames"]["total"]) - compiled["frames"]
     result = dict(step_s=statistics.median(times), peak_mem_mb=peak_memory_mb(device), **compiled)
+    if profile:
+        result["profile"] = profile_step(step, device)
     del step
     gc.collect()
     return result
@@ -104,12 +109,12 @@ def out_of_memory(error) -> bool:
     return False
 
 
-def time_or_out_of_memory(build, steps, warmup, device) -> dict:
+def time_or_out_of_memory(build, steps, warmup, device, profile=False) -> dict:
     """`time_alone`, or {"oom": True, "error": its first line} when the variant runs out of memory; either way
     its memory is freed before the next variant (the exception, and with it the frames holding the model,
     is dropped first)."""
     try:
-        return time_alone(build, steps, warmup, device)
+        return time_alone(build, steps, warmup, device, profile)
     except Exception as e:
         if not out_of_memory(e):
             raise
@@ -118,3 +123,61 @@ def time_or_out_of_memory(build, steps, warmup, device) -> dict:
     peak = peak_memory_mb(device)
     release_memory(device)
     return dict(oom=True, error=error, peak_mem_mb=peak)
+
+
+# Where a step's time goes, by kernel (GPU) or operator (CPU) name, lower-cased; the first match wins. Inductor
+# names a fused kernel after the ops in it, so adaLN's modulate fused into its layer norm shows as *layer_norm*.
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("gather/scatter", ("gather", "scatter", "index")),
+    ("adaLN/modulate + layer norm", ("layer_norm",)),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
+)
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear")
+HOST_SYNCS = ("cudastreamsynchronize", "cudadevicesynchronize", "cudaeventsynchronize")  # .item() ends in the first
+
+
+def category(name: str) -> str:
+    name = name.lower()
+    return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def annotation(event) -> bool:
+    return getattr(event, "is_user_annotation", False) or event.key.startswith("## ") or "#" in event.key
+
+
+def profile_step(step, device, top=15) -> dict:
+    """One step under torch.profiler, summed by what limits a step: GPU time (CPU time on a CPU) per category
+    of CATEGORIES, the matmuls whose inputs are float32 (the block after a route; where torch records the dtypes,
+    else None), host syncs (GPU only), the share of the step's wall time the GPU was busy, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities, record_shapes=True) as prof:
+        step()
+        sync(device)
+    wall = time.perf_counter() - t0
+    if cuda:  # kernels: their own time; not the annotations spanning them ("## Call CompiledFxGraph ##",
+        # "Optimizer.step#AdamW.step"), which would count the same kernels twice
+        rows = [(a.key, a.self_device_time_total, a.count) for a in prof.key_averages()
+                if a.device_type == torch.autograd.DeviceType.CUDA and not annotation(a)]
+    else:
+        rows = [(a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()]
+    by_category = {}
+    for name, us, _ in rows:
+        by_category[category(name)] = by_category.get(category(name), 0.0) + us / 1e3
+    events = prof.events()
+    fp32 = None
+    if events and hasattr(events[0], "input_dtypes"):
+        fp32 = sum((e.device_time_total if cuda else e.cpu_time_total) for e in events
+                   if e.name in MATMULS and "float" in (e.input_dtypes or [])) / 1e3
+    syncs = sum(e.name.lower() in HOST_SYNCS for e in events) - 1 if cuda else None  # less our own closing sync
+    busy = sum(us for _, us, _ in rows) / 1e3
+    return dict(wall_ms=wall * 1e3, busy_ms=busy, busy_share=busy / (wall * 1e3),
+                ms_by_category=dict(sorted(by_category.items(), key=lambda kv: -kv[1])), fp32_matmul_ms=fp32,
+                host_syncs=syncs, top=[dict(name=n[:120], ms=us / 1e3, count=c)
+                                       for n, us, c in sorted(rows, key=lambda r: -r[1])[:top]])

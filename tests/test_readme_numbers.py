@@ -1,8 +1,8 @@
 """Every number the README quotes equals the file or config it is quoted from, rounded as printed: the demo
 table against the default runs' logs (docs/perf/default_*_digits_metrics.jsonl), the toy study's table against
-its report (docs/results/study.md), the GPU table against docs/perf/h100_b2.json, and the settings in the
+its report (docs/results/study.md), the GPU targets against docs/perf/h200_check/, and the settings in the
 prose and the differences table against the composed configs; docs/performance.md's CPU tables against
-docs/perf/cpu.json. A measurement-like number in the README's prose (a decimal, a thousands
+docs/perf/cpu.json and its H100 table against docs/perf/h100_b2.json. A measurement-like number in the README's prose (a decimal, a thousands
 separator, a K, % or x suffix) that no check here claims fails the test: quote it with its source and add
 its check, or remove it."""
 import functools
@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 PERF = REPO / "docs" / "perf"
 STUDY = (REPO / "docs" / "results" / "study.md").read_text()
+PERFORMANCE = (REPO / "docs" / "performance.md").read_text()
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:[eE]-?\d+)?(?:K\b|%|x\b)?")
 
 
@@ -165,11 +166,58 @@ def level_until() -> int:
 # The GPU table: the benchmark's JSON
 
 
-def test_gpu_table_is_the_benchmark_json():
+H200 = PERF / "h200_check"
+
+
+def training_runs(name: str) -> dict:
+    bench = json.loads((H200 / f"{name}.json").read_text())
+    assert bench["device"] == "NVIDIA H200" and bench["dtype"] == "bf16"
+    return {(r["code"], r["model"]): r for r in bench["training"] if r["mode"] in ("compiled", "published")}
+
+
+def test_gpu_targets_table_is_the_check_output():
+    rows = {row["#"]: row for row in table(README, "| # | measure | target | measured | device |")}
+    assert list(rows) == [str(i) for i in range(1, 8)]
+    xl2, b2 = training_runs("xl2"), training_runs("b2")
+    dit, tread = xl2["ours", "dit"], xl2["ours", "tread"]
+    assert dit["backbone"] == "DiT-XL/2" and (dit["batch"], dit["micro_batch"]) == (256, 128)
+    assert_close(rows["1"]["measured"], dit["mfu"], "XL/2 dit MFU")
+    ratio, speedup, bound = re.match(r"([\d.]+) \(([\d.]+x) against ([\d.]+x)\): missed", rows["2"]["measured"]).groups()
+    assert_close(ratio, tread["speedup_vs_bound"], "XL/2 speed-up / bound")
+    assert_close(speedup, tread["speedup"], "XL/2 speed-up")
+    assert_close(bound, tread["flop_bound"], "XL/2 FLOP bound")
+    ours_over_paper = [runs["ours", m]["step_s"] / runs["paper", m]["step_s"] for runs in (xl2, b2) for m in ("dit", "tread")]
+    printed = rows["3"]["measured"].removesuffix(": missed").split(", ")
+    assert len(printed) == 4 and all(close(t, v) for t, v in zip(printed, ours_over_paper)), (printed, ours_over_paper)
+    assert all(r["max_abs_output_difference"] == 0 for runs in (xl2, b2) for k, r in runs.items() if k[0] == "paper")
+    fid, = json.loads((H200 / "fid.json").read_text())["fid"]
+    total, *stages = NUMBER.findall(rows["4"]["measured"])
+    assert_close(total, fid["seconds"], "FID-5K total")
+    assert len(stages) == 5
+    for text, stage in zip(stages, ("sampling", "decoding", "features", "statistics", "distance")):
+        assert_close(text, fid[f"{stage}_s"], f"FID-5K {stage}")
+    assert (fid["samples"], fid["heun_steps"], fid["backbone"], fid["compiled"]) == (5000, 40, "DiT-B/2", True)
+    cuda = (H200 / "command3_logs.txt").read_text()
+    passed = len(re.search(r"^(\.+)\s+\[100%\]$", cuda, re.M).group(1))
+    assert rows["5"]["measured"] == f"{passed} passed" and cuda.rstrip().endswith("rc 0 after 57 s")
+    assert rows["6"]["measured"].startswith("not measured") and rows["6"]["device"] == "none"
+    assert not (H200 / "suite.json").exists()
+    records = [json.loads(line) for line in (H200 / "train_metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    assert logged[-1]["step"] == 200 and any(r["step"] == 100 and "fid" in r for r in records)
+    recompiles = max(r["recompiles_after_first_step"] for r in logged)
+    graphs = {r["compiled_graphs"] for r in logged}
+    assert rows["7"]["measured"] == f"{recompiles} recompiles, {graphs.pop()} graph" and not graphs
+    assert all(row["device"] == "H200" for n, row in rows.items() if n != "6")
+    for i in (1, 2, 3):
+        assert "NVIDIA H200" in (H200 / f"command{i}_summary.txt").read_text()
+
+
+def test_h100_table_is_the_benchmark_json():
     bench = json.loads((PERF / "h100_b2.json").read_text())
     assert "H100" in bench["device"] and bench["dtype"] == "bf16"
     runs = {(r["code"], r["mode"], r["model"]): r for r in bench["training"]}
-    rows = table(README, "| code | mode | `dit` step (ms) |")
+    rows = table(PERFORMANCE, "| code | mode | `dit` step (ms) |")
     assert len(rows) == len(runs) // 2
     for row in rows:
         code = {"ours": "ours", "authors'": "paper"}[row["code"]]
@@ -183,18 +231,7 @@ def test_gpu_table_is_the_benchmark_json():
         assert_close(row["speed-up"], tread["speedup"], f"{what} speed-up")
         assert_close(row["FLOP bound"], tread["flop_bound"], f"{what} FLOP bound")
         assert_close(row["speed-up / bound"], tread["speedup_vs_bound"], f"{what} speed-up / bound")
-    assert "max\noutput difference 0)" in README or "max output difference 0)" in README
     assert all(r["max_abs_output_difference"] == 0 for r in bench["training"] if r["code"] == "paper")
-    assert "**One H100, DiT-B/2, batch 256, bf16**" in README
-
-
-def test_not_yet_measured_is_still_unmeasured():
-    """The README names DiT-XL/2 and the GPU FID-5K / suite timings as not measured: their logs say so."""
-    logs = PERF / "h100_check"
-    assert "OutOfMemoryError" in (logs / "bench_xl2.txt").read_text()
-    for name in ("bench_fid.txt", "bench_suite.txt"):
-        assert (logs / name).read_text().rstrip().endswith("rc 124"), name  # killed by its time limit
-    assert not list(PERF.glob("h100_training*")) and not list(PERF.glob("h100_eval*"))
 
 
 def test_diffusers_table_is_the_benchmark_json():

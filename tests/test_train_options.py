@@ -94,3 +94,7 @@ def test_compiled_bf16_run_stops_cleanly_on_sigint_and_resumes(tmp_path):
     assert "torchdynamo start tracing forward" in resumed.stderr
     assert list_checkpoints(run_dir / "checkpoints")[-1][0] == step + 4
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    # each log record of a compiled run says how many graphs dynamo built and whether it recompiled after step 1
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in logged if "loss" in r and r["step"] > step]
+    assert logged and all(r["compiled_graphs"] >= 1 and r["recompiles_after_first_step"] == 0 for r in logged)

@@ -22,6 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
+from torch._dynamo.utils import counters as dynamo_counters
 
 from data import ResumableBatchSampler, build_dataset, loader_workers
 from dit import get_model
@@ -129,6 +130,7 @@ class Run:
     bad_step: Optional[torch.Tensor] = None     # the first step with a non-finite loss, -1 while there is none
     steps_since_log: int = 0
     t_log: float = 0.0
+    compiled_at_first_step: Optional[int] = None  # dynamo's compiled frames after this launch's first step
 
     @property
     def trained_params(self) -> list:
@@ -334,11 +336,21 @@ def log_interval(run: Run, step: int, stop: StopSignal, bar: Progress) -> tuple:
         run.logger.log(step, {"loss": mean_loss, **repa, "steps_per_sec": steps_per_sec,
                               "images_per_sec": steps_per_sec * t.general.batch_size,
                               "epoch": step * run.accum / run.sampler.steps_per_epoch,
-                              "lr": learning_rate(t.optimizer, step - 1), "world_size": world})
+                              "lr": learning_rate(t.optimizer, step - 1), "world_size": world,
+                              **compile_stats(run)})
         bar.interval(step, mean_loss, steps_per_sec)
     run.loss_sum.zero_()
     run.steps_since_log, run.t_log = 0, time.time()
     return True, stop_now
+
+
+def compile_stats(run: Run) -> dict:
+    """With train.compile: dynamo's graphs so far, and the frames it compiled after this launch's first step
+    (a recompile: a shape or guard that changed mid-run, each one a stall of seconds)."""
+    if run.compiled_at_first_step is None:
+        return {}
+    return {"compiled_graphs": int(dynamo_counters["stats"]["unique_graphs"]),
+            "recompiles_after_first_step": int(dynamo_counters["frames"]["total"]) - run.compiled_at_first_step}
 
 
 def evaluate(run: Run, step: int):
@@ -366,6 +378,8 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
         while step < t.max_steps:
             # Update weights and EMA.
             update_weights(run, step, model_params, ema_params)
+            if cfg.train.compile and run.compiled_at_first_step is None:
+                run.compiled_at_first_step = int(dynamo_counters["frames"]["total"])
             step += 1
             bar.update(1)
 
