@@ -10,10 +10,10 @@ Routing is active only while the model is in training mode. To force it at infer
 routing guidance), pass `force_routing_ratio=r` to the model's forward: every configured route then
 runs with ratio r. `routing_seed=s` makes the token choice reproducible (same seed, same tokens).
 
-Selection per route: `random` (the paper's, the default) or `importance`: each token is scored by
-the L1 norm of its hidden vector, the score is min-max normalised per sample and mixed with uniform
-noise, `importance_mix * score + (1 - importance_mix) * noise`, and the HIGHEST-scoring tokens are
-kept (`importance_mix=1`: exactly the highest-norm tokens; 0: uniform random).
+Selection per route: a rule of `SELECTIONS` scores every token and the router keeps the highest-scoring
+ones. `random` (the paper's, the default) scores uniformly; `importance` scores by the L1 norm of the
+hidden vector (see its function). A rule's keyword-only options are the route's `options`, checked
+against its signature when the routes are resolved; a new rule is one function added to `SELECTIONS`.
 
 Ratio schedules: a route may vary its ratio with the training step, `schedule = {kind: constant | linear
 | cosine, start_ratio, end_ratio, start_step, end_step, levels}`. `constant` (the default) is
@@ -34,18 +34,83 @@ must be the same for every sample of a batch, so it is `max(N - int(N * ratio), 
 in any sample)`: a sample with many forced tokens raises the kept count of the whole batch, and
 samples with fewer fill the rest by their selection rule.
 """
+import inspect
 import math
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Annotated, Optional, Sequence, get_args, get_origin
 
 import torch
 import torch.nn as nn
 
-from backbones.sprint import FUSION_INITS, FUSIONS, MASK_TOKEN_INITS
 from tread_utils.errors import UserError
 
-SELECTIONS = ("random", "importance")
 SCHEDULE_KINDS = ("constant", "linear", "cosine")
+FUSIONS = ("none", "sprint")                  # how a route ends: end_route, or SPRINT's (backbones/sprint.py)
+MASK_TOKEN_INITS = ("normal", "zeros")
+FUSION_INITS = ("xavier", "deep")
+
+
+# ---- selection rules: fn(x [B, N, D], generator or None, **options) -> scores [B, N]; the highest are kept ----
+
+@torch.compiler.disable
+def _seeded_uniform(B: int, N: int, device, generator: torch.Generator) -> torch.Tensor:
+    """A seeded draw (routing guidance at inference) runs eagerly: dynamo cannot trace a Generator argument."""
+    return torch.rand(B, N, device=device, generator=generator)
+
+
+def random_scores(x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Uniform noise in [0, 1): a random subset, the paper's rule."""
+    if generator is None:  # rand_like traces with a symbolic batch size (torch.rand(B, N, generator=None) does not)
+        return torch.rand_like(x[:, :, 0], dtype=torch.float32, memory_format=torch.contiguous_format)
+    return _seeded_uniform(x.shape[0], x.shape[1], x.device, generator)
+
+
+def importance_scores(x: torch.Tensor, generator: Optional[torch.Generator], *,
+                      importance_mix: Annotated[float, 0.0, 1.0] = 0.0) -> torch.Tensor:
+    """The L1 norm of each token, min-max normalised per sample, mixed with uniform noise:
+    `importance_mix * norm + (1 - importance_mix) * noise` (1: the highest-norm tokens; 0: random)."""
+    noise = random_scores(x, generator)
+    if importance_mix == 0:
+        return noise
+    norm = x.detach().float().abs().sum(-1)
+    lo, hi = norm.amin(1, keepdim=True), norm.amax(1, keepdim=True)
+    norm = (norm - lo) / (hi - lo).clamp_min(1e-12)
+    return importance_mix * norm + (1.0 - importance_mix) * noise
+
+
+SELECTIONS = {"random": random_scores, "importance": importance_scores}
+
+
+def selection_options(rule: str) -> dict:
+    """A rule's options: name -> (type, (low, high) or None, default), from its keyword-only parameters
+    (`Annotated[float, low, high]` gives an inclusive range)."""
+    options = {}
+    for p in inspect.signature(SELECTIONS[rule]).parameters.values():
+        if p.kind is p.KEYWORD_ONLY:
+            kind, bounds = p.annotation, None
+            if get_origin(kind) is Annotated:
+                kind, *bounds = get_args(kind)
+            options[p.name] = (kind, tuple(bounds) if bounds else None, p.default)
+    return options
+
+
+def check_selection(rule, options, name: str) -> tuple:
+    """The route's rule and options, checked against the rule's signature: ((key, value), ...) sorted."""
+    if rule not in SELECTIONS:
+        raise RouteError(f"{name}: selection must be one of {', '.join(SELECTIONS)}, got {rule!r}")
+    accepted, checked = selection_options(rule), {}
+    for key, value in dict(options or {}).items():
+        if key not in accepted:
+            raise RouteError(f"{name}: selection {rule} has no option {key!r}; its options: "
+                             f"{', '.join(accepted) or 'none'}")
+        kind, bounds, _ = accepted[key]
+        number = kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (isinstance(value, kind) or number) or (kind is int and not float(value).is_integer()):
+            raise RouteError(f"{name}: selection option {key} must be {kind.__name__}, got {value!r}")
+        if bounds and not bounds[0] <= value <= bounds[1]:
+            raise RouteError(f"{name}: {key} must be in [{bounds[0]}, {bounds[1]}], got {value}")
+        checked[key] = kind(value)
+    return tuple(sorted(checked.items()))
 
 
 @dataclass(frozen=True)
@@ -73,7 +138,7 @@ class Route:
     end_layer_idx: int
     selection_ratio: float
     selection: str = "random"
-    importance_mix: float = 0.0
+    options: tuple = ()                       # the selection rule's keyword options, ((key, value), ...)
     schedule: Schedule = Schedule()
     fusion: str = "none"
     path_drop_prob: float = 0.1
@@ -95,7 +160,8 @@ class RouteError(UserError):
     """An invalid route configuration."""
 
 
-ROUTE_KEYS = tuple(f.name for f in fields(Route))
+LEGACY_OPTIONS = ("importance_mix",)  # a selection option also accepted as a key of the route itself
+ROUTE_KEYS = tuple(f.name for f in fields(Route)) + LEGACY_OPTIONS
 SCHEDULE_KEYS = tuple(f.name for f in fields(Schedule))
 
 
@@ -173,18 +239,16 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
             raise RouteError(f"{name}: selection_ratio must be in [0, 1) (the fraction of tokens that skip), "
                              f"got {ratio}")
         selection = str(DEFAULT_ROUTE.selection if r.get("selection") is None else r["selection"])
-        mix = float(DEFAULT_ROUTE.importance_mix if r.get("importance_mix") is None else r["importance_mix"])
-        if selection not in SELECTIONS:
-            raise RouteError(f"{name}: selection must be one of {SELECTIONS}, got {selection!r}")
-        if not 0.0 <= mix <= 1.0:
-            raise RouteError(f"{name}: importance_mix must be in [0, 1], got {mix}")
+        options = dict(r.get("options") or {})
+        options.update({k: r[k] for k in LEGACY_OPTIONS if r.get(k) is not None})
+        options = check_selection(selection, options, name)
         if resolved and start <= resolved[-1].end_layer_idx:
             prev = resolved[-1]
             raise RouteError(f"{name}: overlaps or comes before route {i - 1} ({prev.start_layer_idx} -> "
                              f"{prev.end_layer_idx}) in a model of depth {depth}; list routes in order, "
                              f"each starting after the previous one ends")
         schedule = resolve_schedule(r.get("schedule"), ratio, name)
-        resolved.append(Route(start, end, ratio, selection, mix, schedule, **resolve_fusion(r, name)))
+        resolved.append(Route(start, end, ratio, selection, options, schedule, **resolve_fusion(r, name)))
     return resolved
 
 
@@ -192,30 +256,15 @@ def num_kept(num_tokens: int, ratio: float) -> int:
     return num_tokens - int(num_tokens * ratio)
 
 
-@torch.compiler.disable
-def _seeded_uniform(B: int, N: int, device, generator: torch.Generator) -> torch.Tensor:
-    """A seeded draw (routing guidance at inference) runs eagerly: dynamo cannot trace a Generator argument."""
-    return torch.rand(B, N, device=device, generator=generator)
-
-
 def select_kept_tokens(x: torch.Tensor, ratio: float, generator: Optional[torch.Generator] = None,
-                       selection: str = "random", importance_mix: float = 0.0,
-                       force_keep: Optional[torch.Tensor] = None):
-    """Indices [B, K] of the tokens that go through the route, sorted so kept tokens keep their order."""
-    B, N = x.shape[:2]
-    if generator is None:  # rand_like traces with a symbolic batch size (torch.rand(B, N, generator=None) does not)
-        score = torch.rand_like(x[:, :, 0], dtype=torch.float32, memory_format=torch.contiguous_format)
-    else:
-        score = _seeded_uniform(B, N, x.device, generator)
-    if selection == "importance" and importance_mix > 0:
-        norm = x.detach().float().abs().sum(-1)
-        lo, hi = norm.amin(1, keepdim=True), norm.amax(1, keepdim=True)
-        norm = (norm - lo) / (hi - lo).clamp_min(1e-12)
-        score = importance_mix * norm + (1.0 - importance_mix) * score
-    k = num_kept(N, ratio)
+                       selection: str = "random", force_keep: Optional[torch.Tensor] = None, **options):
+    """Indices [B, K] of the tokens that go through the route: the K highest-scoring under the selection rule
+    (forced tokens first), sorted so that kept tokens keep their order."""
+    score = SELECTIONS[selection](x, generator, **options)
+    k = num_kept(x.shape[1], ratio)
     if force_keep is not None:
         force_keep = force_keep.to(device=x.device, dtype=torch.bool)
-        score = score + 2.0 * force_keep  # scores lie in [0, 1]: forced tokens always rank first
+        score = score.masked_fill(force_keep, float("inf"))
         k = max(k, int(force_keep.sum(1).max()))
     keep = score.topk(k, dim=1, sorted=False).indices
     return keep.sort(dim=1).values
@@ -316,7 +365,7 @@ class TokenRouter(nn.Module):
             x = self._run_blocks(blocks, done, first, x, c, run_block, tap, None, fp32_block)
             x_route, keep_idx = x, None
             if ratio > 0:  # select
-                keep_idx = select_kept_tokens(x, ratio, generator, route.selection, route.importance_mix, force_keep)
+                keep_idx = select_kept_tokens(x, ratio, generator, route.selection, force_keep, **dict(route.options))
                 x = start_route(x, keep_idx)
             if drop_deep_path and fusion is not None:  # path-drop guidance's weak branch: mask tokens only
                 x = fusion(None, x_route, keep_idx, drop_all=True)

@@ -11,7 +11,7 @@ block `end_layer_idx` (inclusive); negative indices count from the last block (-
 checked by `routing_module.resolve_routes`, the validation of `model.params.routes`, against the number of
 blocks (for FLUX and AuraFlow, both block lists: backbones/diffusers_families.py says how they are numbered).
 
-The kept tokens are chosen by `routing_module.select_kept_tokens` (selection "random" or "importance"),
+The kept tokens are chosen by `routing_module.select_kept_tokens` (a rule of `routing_module.SELECTIONS`),
 with the mask (below) as its `force_keep`; routing runs only while the transformer is in training mode and
 gradients are enabled, so evaluation, sampling and `torch.no_grad()` see the unchanged model.
 
@@ -51,16 +51,16 @@ def check_diffusers_version(version: Optional[str] = None) -> None:
                         f"found {version}; install one of those (pip install 'diffusers~=0.42.0')")
 
 
-def routes_from_config(tread_config, depth: int, selection: str = "random", importance_mix: float = 0.0) -> list:
+def routes_from_config(tread_config, depth: int, selection: str = "random", **options) -> list:
     """SimpleTuner's tread_config (a dict with `routes`, or the list) as checked `Route`s over `depth` blocks.
-    A route without `selection` / `importance_mix` takes the call's."""
+    A route that names no `selection` takes the call's, with its options."""
     routes = tread_config.get("routes") if hasattr(tread_config, "keys") else tread_config
     if not routes:
         raise RouteError(MISSING_ROUTES)
     if isinstance(routes, (str, bytes)) or not all(hasattr(r, "keys") for r in routes):
         raise RouteError(f"{MISSING_ROUTES} as a list of mappings with selection_ratio, start_layer_idx and "
                          f"end_layer_idx; got {routes!r}")
-    routes = [{"selection": selection, "importance_mix": importance_mix, **r} for r in routes]
+    routes = [r if "selection" in r else {"selection": selection, "options": options, **r} for r in routes]
     resolved = resolve_routes(routes, depth)
     for i, r in enumerate(resolved):
         if r.schedule.kind != "constant" or r.fusion != "none":
@@ -177,11 +177,12 @@ class TreadHandle:
             raise UserError(f"the TREAD mask gives {tuple(force_keep.shape)} token flags for image tokens of shape "
                             f"{tuple(x.shape[:2])}; give one mask per sample over this image")
         if not self.family.shared:
-            return select_kept_tokens(x, route.selection_ratio, None, route.selection, route.importance_mix,
-                                      force_keep)
+            return select_kept_tokens(x, route.selection_ratio, None, route.selection, force_keep,
+                                      **dict(route.options))
         scores = x.detach().abs().mean(0, keepdim=True)  # importance: the batch's mean L1 norm per token
-        keep = select_kept_tokens(scores, route.selection_ratio, None, route.selection, route.importance_mix,
-                                  None if force_keep is None else force_keep.any(0, keepdim=True))
+        keep = select_kept_tokens(scores, route.selection_ratio, None, route.selection,
+                                  None if force_keep is None else force_keep.any(0, keepdim=True),
+                                  **dict(route.options))
         return keep.expand(x.shape[0], -1)
 
     def _lead_of(self, kind: str, record: Optional[dict]) -> int:
@@ -266,11 +267,12 @@ def _replaying(checkpoint_func):
     return run
 
 
-def apply_tread(transformer, routes, *, selection: str = "random", importance_mix: float = 0.0) -> TreadHandle:
-    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, Wan or AuraFlow transformer; returns the handle."""
+def apply_tread(transformer, routes, *, selection: str = "random", **options) -> TreadHandle:
+    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, Wan or AuraFlow transformer; returns the handle.
+    `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none."""
     check_diffusers_version()
     family = family_of(transformer)
     if getattr(transformer, "_tread_handle", None) is not None:
         raise UserError("this transformer already has TREAD routes; call .remove() on the first handle first")
     depth = sum(len(getattr(transformer, name)) for name in family.block_lists)
-    return TreadHandle(transformer, family, routes_from_config(routes, depth, selection, importance_mix))
+    return TreadHandle(transformer, family, routes_from_config(routes, depth, selection, **options))

@@ -16,9 +16,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-FUSIONS = ("none", "sprint")
-MASK_TOKEN_INITS = ("normal", "zeros")
-FUSION_INITS = ("xavier", "deep")
 
 
 class SprintFusion(nn.Module):

@@ -177,10 +177,12 @@ def test_route_defaults_are_the_routers():
     from routing_module import DEFAULT_ROUTE
 
     route = OmegaConf.structured(S.RouteSchema)
+    # importance_mix: the legacy spelling of options.importance_mix, unset (null) unless given
     optional = [f.name for f in dataclasses.fields(S.RouteSchema) if not OmegaConf.is_missing(route, f.name)
-                and f.name != "schedule"]
-    assert len(optional) == 7
+                and f.name not in ("schedule", "options", "importance_mix")]
+    assert len(optional) == 6 and route.importance_mix is None
     assert {k: route[k] for k in optional} == {k: getattr(DEFAULT_ROUTE, k) for k in optional}
+    assert dict(route.options) == dict(DEFAULT_ROUTE.options) == {}
     assert route.schedule.kind == DEFAULT_ROUTE.schedule.kind
 
 

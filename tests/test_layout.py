@@ -33,3 +33,26 @@ def test_every_package_is_found_by_the_install():
     code_dirs = {p.parent.name for p in REPO.glob("*/*.py") if not p.parent.name.startswith(".")}  # not .paper-code
     code_dirs -= {"tests", "docs", "scripts", "configs", "build"}
     assert all((REPO / name / "__init__.py").is_file() for name in code_dirs), sorted(code_dirs)
+
+
+def test_the_install_holds_the_product_not_the_lab():
+    """`pip install .` installs what a user imports; lab/ (benchmarks, studies) runs from a checkout only."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    exclude = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["exclude"]
+    installed = {name.split(".")[0] for name in find_packages(str(REPO), exclude=exclude)}
+    assert "lab" not in installed and {"training", "generation", "backbones", "edm", "tools"} <= installed
+
+
+def test_analysis_catches_a_cycle_between_units_that_no_module_cycle_shows(tmp_path):
+    """The shape the router once had: routing_module imported backbones.sprint while backbones.diffusers_tread
+    imported routing_module. No module imports itself back, but the two units depend on each other."""
+    for name, text in {"edm/__init__.py": "", "edm/fusion.py": "", "edm/hooks.py": "import data.x\n",
+                       "data/__init__.py": "", "data/x.py": "from edm import fusion\n"}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph, _, problems = import_layers.analyse(tmp_path)
+    assert import_layers.find_cycle(graph) is None  # no module cycle ...
+    assert problems == ["import cycle between units: data -> edm -> data"], problems  # ... a unit cycle

@@ -186,7 +186,7 @@ def test_importance_mix_zero_is_uniform():
     x = torch.randn(1, 16, 8) * torch.arange(1, 17).view(1, 16, 1)  # strongly varying norms
     counts = torch.zeros(16)
     for _ in range(2000):
-        counts[select_kept_tokens(x, 0.5, g, "importance", 0.0)[0]] += 1
+        counts[select_kept_tokens(x, 0.5, g, "importance", importance_mix=0.0)[0]] += 1
     freq = counts / 2000
     assert (freq - 0.5).abs().max() < 0.05, freq  # 4.5 sigma for a binomial(2000, 0.5)
 
@@ -200,7 +200,7 @@ def test_importance_mix_between_zero_and_one_keeps_the_documented_mix():
     mix, batch, n = 0.3, 4000, 16
     x = torch.randn(1, n, 8).sign() * torch.arange(1, n + 1).view(1, n, 1)  # L1 norm 8, 16, ..., 128
     x = x.expand(batch, -1, -1)
-    keep = select_kept_tokens(x, 0.5, torch.Generator().manual_seed(3), "importance", mix)
+    keep = select_kept_tokens(x, 0.5, torch.Generator().manual_seed(3), "importance", importance_mix=mix)
     noise = torch.rand(batch, n, generator=torch.Generator().manual_seed(3))
     norm = torch.arange(n) / (n - 1)  # (norm - min) / (max - min)
     expect = (mix * norm + (1 - mix) * noise).topk(8, dim=1).indices.sort(dim=1).values
@@ -229,7 +229,7 @@ def test_force_keep_tokens_are_never_skipped():
 
 
 def test_route_selection_validation():
-    with pytest.raises(RouteError, match="selection must be"):
+    with pytest.raises(RouteError, match="selection must be one of random, importance, got 'norm'"):
         resolve_routes([dict(route(2, 8), selection="norm")], 12)
     with pytest.raises(RouteError, match="importance_mix"):
         resolve_routes([dict(route(2, 8), selection="importance", importance_mix=1.5)], 12)

@@ -14,6 +14,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from routing_module import SELECTIONS, selection_options
 from training import config_schema as S
 from training.config_check import list_element
 
@@ -105,11 +106,27 @@ def route_count(presets: dict, path) -> str:
     return f"{'; '.join(parts) or count[None]} (below: the values of the default's first)"
 
 
+def selection_rules() -> str:
+    """The selection rules a route may name, from routing_module.SELECTIONS: each rule's first doc line and
+    its options (keyword-only parameters), so a rule added there is documented here without an edit."""
+    out = ["\n### Selection rules (`model.params.routes.N.selection`)\n",
+           "A rule's options go under the route's `options`, e.g. "
+           "`+model.params.routes.0.options.importance_mix=0.3` (Hydra's `+` adds a key to a mapping).\n",
+           "| rule | what it keeps | options (type, range, default) |", "|---|---|---|"]
+    for name, fn in SELECTIONS.items():
+        options = [f"`{key}` ({kind.__name__}{f', [{bounds[0]}, {bounds[1]}]' if bounds else ''}, {flow(default)})"
+                   for key, (kind, bounds, default) in selection_options(name).items()]
+        doc = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
+        out.append(f"| `{name}` | {doc.replace('|', chr(92) + '|')} | {', '.join(options) or '-'} |")
+    return "\n".join(out)
+
+
 def render() -> str:
     presets = {None: compose_config("config")}
     presets.update({group: compose_config("config", [f"{group}={option}"]) for group, option in VARIANTS.items()})
     out = [HEADER, "## Training: `train.py` (configs/config.yaml)"]
     sections(S.ConfigSchema, "", (), presets, out)
+    out.append(selection_rules())
     out.append("\n## Sampling: `sample.py` (configs/sample.yaml)")
     sample = compose_config("sample")
     sections(S.SampleSchema, "", (), {None: sample, **{g: sample for g in VARIANTS}}, out)

@@ -13,7 +13,7 @@ Light on purpose (dataclasses, omegaconf and Hydra's ConfigStore): a bad config 
 is imported.
 """
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -56,8 +56,10 @@ class RouteSchema:
     start_layer_idx: int = key("first routed block (negative: counted from the last block)")
     end_layer_idx: int = key("last routed block, inclusive (negative: counted from the last block)")
     selection_ratio: float = key("fraction of tokens that skip the route, in [0, 1)")
-    selection: str = key("random (the paper) or importance (highest-L1-norm tokens kept)", "random")
-    importance_mix: float = key("importance selection: score weight against noise, in [0, 1]", 0.0)
+    selection: str = key("the selection rule, a name in routing_module.SELECTIONS: random (the paper's), "
+                         "importance (by L1 norm), ...", "random")
+    options: Dict[str, Any] = key("the selection rule's keyword options, e.g. importance_mix", factory=dict)
+    importance_mix: Optional[float] = key("importance: options.importance_mix, also accepted here", None)
     schedule: RouteScheduleSchema = key("the ratio as a function of the training step",
                                         factory=RouteScheduleSchema)
     fusion: str = key("none (TREAD: skipped tokens rejoin unchanged) or sprint (SPRINT's sparse deep path)", "none")
