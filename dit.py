@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from backbones import modulate
 from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
-from routing_module import TokenRouter, resolve_routes
+from routing_module import TokenRouter, as_routes
 from tread_utils.errors import UserError
 from tread_utils.hub import WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_weights
 
@@ -139,7 +139,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         self.register_buffer("pos_embed", sincos_pos_embed_2d(hidden_size, grid).unsqueeze(0), persistent=False)
         block_cls = block_classes()[block_type]
         self.blocks = nn.ModuleList([block_cls(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
-        self.router = TokenRouter(resolve_routes(routes, depth), enable_routing, fp32_after_route)
+        self.router = TokenRouter(as_routes(routes, depth), enable_routing, fp32_after_route)
         # SPRINT routes' mask token and projection (none for TREAD routes: their state dict is unchanged)
         self.fusions = nn.ModuleDict({
             str(k): SprintFusion(hidden_size, r.path_drop_prob, r.mask_token_trainable, r.mask_token_init,
@@ -257,7 +257,7 @@ def model_kwargs(backbone_type: str, params) -> dict:
     """The checked arguments of `DiT` for a registry name and the config's `model.params` (which may override
     sizes; a null value keeps the registry's or DiT's default). The one check of the model's values, for the
     config (training.config_check calls it) and for Python callers alike: a one-line UserError for an
-    unknown backbone, key or value, routes included (`resolve_routes`)."""
+    unknown backbone, key or value, routes included (resolved into `Route`s here)."""
     if backbone_type not in DiT_models:
         raise UserError(f"unknown backbone {backbone_type!r}; choose one of {', '.join(DiT_models)} "
                         f"(model.backbone_type)")
@@ -274,13 +274,12 @@ def model_kwargs(backbone_type: str, params) -> dict:
     if kwargs.get("init", "official") not in INITS:
         raise UserError(f"model.params.init must be one of {', '.join(INITS)}, got {kwargs['init']!r} "
                         f"(official: the authors' xavier init; adaln_zero: DiT's)")
-    kwargs["routes"] = [dict(r) for r in (kwargs.get("routes") or [])]
     if kwargs.get("block_type", "attention") not in block_classes():
         raise UserError(f"model.params.block_type must be one of {', '.join(block_classes())}, "
                         f"got {kwargs['block_type']!r}")
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
-    resolve_routes(kwargs["routes"], kwargs["depth"])
+    kwargs["routes"] = as_routes(kwargs.get("routes"), kwargs["depth"])  # resolved once, passed as objects
     return kwargs
 
 

@@ -20,8 +20,8 @@ Ratio schedules: a route may vary its ratio with the training step, `schedule = 
 `selection_ratio` throughout; `linear` / `cosine` hold `start_ratio` (null: `selection_ratio`) up to
 `start_step`, move to `end_ratio` by `end_step` (cosine: slow at both ends) and hold it after. `levels=L`
 rounds the ratio to L evenly spaced values from start_ratio to end_ratio. The router is told the step by
-`set_step(step)` (training/loop.py, before each step) and the ratio is a pure function of it, so a resumed
-run routes as an uninterrupted one; `off_after_step=S` turns every route off from step S on. The kept
+`set_step(step, off_after)` (training/loop.py, before each step) and the ratio is a pure function of it, so a
+resumed run routes as an uninterrupted one; `off_after=S` turns every route off from step S on. The kept
 count changes with the ratio, and torch.compile recompiles the model for each distinct count (dynamo
 keeps 8 by default): a smooth schedule over many steps wants `levels` of a few values.
 
@@ -252,6 +252,17 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
     return resolved
 
 
+def as_routes(routes: Optional[Sequence], depth: int) -> list:
+    """Routes already resolved (`Route`s, e.g. a model's `router.routes`) as they are; a config's mappings
+    resolved (`resolve_routes`). Resolving happens once, where a launch reads the config; the model, the FLOP
+    report and the exports then pass the objects along."""
+    routes = list(routes or [])
+    if all(isinstance(r, Route) for r in routes):
+        assert all(r.end_layer_idx < depth for r in routes), f"routes {routes} do not fit {depth} blocks"
+        return routes
+    return resolve_routes(routes, depth)
+
+
 def num_kept(num_tokens: int, ratio: float) -> int:
     return num_tokens - int(num_tokens * ratio)
 
@@ -308,14 +319,14 @@ class TokenRouter(nn.Module):
         self.enable_routing = enable_routing
         self.fp32_after_route = fp32_after_route
         self.step: Optional[int] = None       # the training step, for ratio schedules (set_step)
-        self.off_after_step: Optional[int] = None  # routing off from this step on (train.routing_off_after)
         self._step_ratios = tuple(r.ratio_at(None) for r in self.routes)
 
-    def set_step(self, step: int):
-        """Tell the router the training step about to run: scheduled ratios and routing_off_after follow it.
-        The ratios are computed here, not in forward, so a compiled forward guards on them, not on the step."""
+    def set_step(self, step: int, off_after: Optional[int] = None):
+        """Tell the router the training step about to run: scheduled ratios follow it, and from step `off_after`
+        on (train.routing_off_after; None: never) every route is off. The ratios are computed here, not in
+        forward, so a compiled forward guards on them, not on the step."""
         self.step = int(step)
-        off = self.off_after_step is not None and self.step >= self.off_after_step
+        off = off_after is not None and self.step >= off_after
         self._step_ratios = tuple(0.0 if off else r.ratio_at(self.step) for r in self.routes)
 
     def extra_repr(self):

@@ -22,10 +22,9 @@ def scheduled(kind="linear", **extra):
 
 def ratios(routes, steps, off_after=None):
     router = TokenRouter(resolve_routes(routes, 6)).train()
-    router.off_after_step = off_after
     out = []
     for step in steps:
-        router.set_step(step)
+        router.set_step(step, off_after)
         out.append(router.active_ratios(None)[0])
     return out
 
@@ -44,10 +43,9 @@ def test_schedule_values_at_given_steps():
 def test_routing_off_after_step():
     assert ratios([scheduled()], [15, 29, 30, 31], off_after=30) == pytest.approx([0.4, 0.6, 0.0, 0.0])
     model = small_model([route(1, 3, 0.5)]).train()
-    model.router.off_after_step = 5
     seen, _ = record_block_io(model)
     for step in (4, 5):
-        model.router.set_step(step)
+        model.router.set_step(step, off_after=5)
         model(*inputs())
     assert [x.shape[1] for i, x, _ in seen if i == 2] == [32, 64]
 

@@ -20,11 +20,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from dit import DiT_models
 from tools.report_plots import plot_curves, plot_routes
 from tread_utils.errors import exit_with
 
 SKIP_DIRS = {"checkpoints", "tensorboard", "wandb", "samples", "__pycache__"}
-DEPTHS = {"D": 12, "T": 12, "S": 12, "B": 12, "L": 24, "XL": 28}  # dit.py's registry: <family>-<size>/<patch>
 COLUMNS = [("run", "run"), ("status", "status"), ("backbone", "backbone"), ("model", "model"),
            ("routes", "routes"), ("ratio", "ratio"), ("variant", "variant"), ("seed", "seed"), ("steps", "steps"),
            ("final_fid", "final FID"), ("best_fid", "best FID"), ("best_fid_step", "best FID step"),
@@ -90,11 +90,11 @@ def elapsed_seconds(records):
 
 
 def model_depth(cfg_model):
+    """The run's number of blocks: its model.params.depth, else the registry's (None: a backbone not in it)."""
     params = cfg_model.get("params") or {}
     if isinstance(params.get("depth"), int):
         return params["depth"]
-    m = re.match(r"^\w+-(\w+)/\d+$", str(cfg_model.get("backbone_type", "")))
-    return DEPTHS.get(m.group(1)) if m else None
+    return DiT_models.get(str(cfg_model.get("backbone_type")), {}).get("depth")
 
 
 def read_config(run, cfg):

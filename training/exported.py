@@ -44,7 +44,8 @@ def tread_section(run_cfg: dict, step: int) -> dict:
 def dit_arguments(run_cfg: dict) -> dict:
     """Every argument of `DiT` for the run's model (defaults written out too, so the file alone rebuilds it)."""
     defaults = {n: p.default for n, p in inspect.signature(DiT.__init__).parameters.items() if n != "self"}
-    chosen = model_kwargs(run_cfg["model"]["backbone_type"], run_cfg["model"]["params"])
+    chosen = model_kwargs(run_cfg["model"]["backbone_type"], run_cfg["model"]["params"])  # checked
+    chosen["routes"] = [dict(r) for r in run_cfg["model"]["params"].get("routes") or []]  # as configured
     return json.loads(json.dumps({**defaults, **chosen, "grad_checkpointing": False}))  # plain JSON values
 
 

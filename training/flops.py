@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from dit import DiT_models, get_model
-from routing_module import num_kept, resolve_routes
+from routing_module import as_routes, num_kept
 from training import config_schema  # noqa: F401  (stores the schema the YAML extends in Hydra's ConfigStore)
 from training.repa import projector_training_flops
 from training.repa_teachers import TEACHERS, teacher_forward_flops
@@ -29,11 +29,10 @@ def training_step_flops(backbone_type: str, params: dict, batch_size: int, routi
                         step: Optional[int] = None) -> int:
     """FLOPs of forward + backward for one batch, measured; `routing=False` counts the model unrouted;
     `step`: the training step a ratio schedule is at (None: its start)."""
-    params = dict(params)
+    params = dict(params, enable_routing=routing)
     with torch.device("meta"):
         model = get_model(backbone_type, params).to("meta")
     model.train()
-    model.router.enable_routing = routing
     if step is not None:
         model.router.set_step(step)
     C, H = params["in_channels"], params["input_size"]
@@ -91,7 +90,7 @@ def fp32_blocks(backbone_type: str, params: dict) -> list:
     depth = architecture(backbone_type, params)["depth"]
     if params.get("fp32_after_route") is False:  # null: DiT's default, true
         return []
-    return [r.end_layer_idx + 1 for r in resolve_routes(params.get("routes"), depth) if r.end_layer_idx + 1 < depth]
+    return [r.end_layer_idx + 1 for r in as_routes(params.get("routes"), depth) if r.end_layer_idx + 1 < depth]
 
 
 def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True) -> int:
@@ -100,7 +99,7 @@ def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, r
     a = architecture(backbone_type, params)
     D, p, C = a["hidden_size"], a["patch_size"], params["in_channels"]
     N, S = a["num_tokens"], 16
-    routes = resolve_routes(params.get("routes"), a["depth"])
+    routes = as_routes(params.get("routes"), a["depth"])
     counts = tokens_per_block(a["depth"], N, routes, routing)
     per_sample = sum(block_forward_flops(a, n) for n in counts)
     # the SSM's convolution kernels (forward and backward scan) are built once per batch, not per sample
@@ -116,14 +115,16 @@ def activation_memory_fraction(backbone_type: str, params: dict) -> float:
     """Estimated block activation memory with routing as a fraction of dense: activations stored for
     backward grow with the tokens a block sees (linearly with SDPA's flash/efficient kernels)."""
     a = architecture(backbone_type, params)
-    counts = tokens_per_block(a["depth"], a["num_tokens"], resolve_routes(params.get("routes"), a["depth"]))
+    counts = tokens_per_block(a["depth"], a["num_tokens"], as_routes(params.get("routes"), a["depth"]))
     return sum(counts) / (a["depth"] * a["num_tokens"])
 
 
 def routing_flop_report(backbone_type: str, params: dict, batch_size: int, repa: Optional[dict] = None,
                         dataset_kind: str = "digits") -> dict:
     """Training-step FLOPs with and without the configured routes and what they imply; with `repa` (the
-    config node) enabled, also REPA's extra FLOPs."""
+    config node) enabled, also REPA's extra FLOPs. `params["routes"]`: the config's, or resolved `Route`s (a
+    model's `router.routes`), resolved here once if they are not."""
+    params = dict(params, routes=as_routes(params.get("routes"), architecture(backbone_type, params)["depth"]))
     routed = training_step_flops(backbone_type, params, batch_size, routing=True)
     dense = training_step_flops(backbone_type, params, batch_size, routing=False)
     a = architecture(backbone_type, params)
@@ -135,7 +136,7 @@ def routing_flop_report(backbone_type: str, params: dict, batch_size: int, repa:
             "analytic_flops_routed": analytic_training_flops(backbone_type, params, batch_size, routing=True),
             "activation_memory_fraction": activation_memory_fraction(backbone_type, params),
             "tokens_per_block": tokens_per_block(a["depth"], a["num_tokens"],
-                                                 resolve_routes(params.get("routes"), a["depth"])),
+                                                 as_routes(params.get("routes"), a["depth"])),
             **schedule_end_flops(backbone_type, params, batch_size),
             **guidance_flops(backbone_type, params),
             **repa_flops(backbone_type, params, batch_size, repa, dataset_kind)}
@@ -151,7 +152,7 @@ def repa_flops(backbone_type: str, params: dict, batch_size: int, repa: Optional
     if not repa or not repa.get("enabled"):
         return {}
     a = architecture(backbone_type, params)
-    tokens = tokens_per_block(a["depth"], a["num_tokens"], resolve_routes(params.get("routes"), a["depth"]))
+    tokens = tokens_per_block(a["depth"], a["num_tokens"], as_routes(params.get("routes"), a["depth"]))
     kept = tokens[int(repa["block"])]
     teacher_dim = TEACHERS[repa["encoder"]].dim
     resolution = params["input_size"] * IMAGE_SCALE[dataset_kind]
@@ -165,7 +166,7 @@ def repa_flops(backbone_type: str, params: dict, batch_size: int, repa: Optional
 def guidance_flops(backbone_type: str, params: dict) -> dict:
     """With SPRINT routes: one guided sampling step of one sample under classifier-free guidance (two full
     passes) and under path-drop guidance (a full pass and one without the deep paths)."""
-    routes = resolve_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
+    routes = as_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
     if not any(r.fusion == "sprint" for r in routes):
         return {}
     full = sampling_forward_flops(backbone_type, params)
@@ -174,7 +175,7 @@ def guidance_flops(backbone_type: str, params: dict) -> dict:
 
 def schedule_end_flops(backbone_type: str, params: dict, batch_size: int) -> dict:
     """With a ratio schedule, the routed step's FLOPs at its end (the report's other counts are at its start)."""
-    routes = resolve_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
+    routes = as_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
     ends = [r.schedule.end_step for r in routes if r.schedule.kind != "constant"]
     if not ends:
         return {}

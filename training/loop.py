@@ -172,7 +172,6 @@ def setup(cfg: DictConfig) -> Run:
     seed_random_streams(cfg, accelerator, state, run.step)
 
     # Log and evaluate.
-    run.model.router.off_after_step = cfg.train.get("routing_off_after")
     run.loss_sum = torch.zeros((), device=device)
     run.bad_step = torch.full((), -1, dtype=torch.long, device=device)
     if run.projector is not None:
@@ -303,7 +302,7 @@ def update_weights(run: Run, step: int, model_params: list, ema_params: list):
     t, o = run.cfg.train, run.cfg.train.optimizer
     for group in run.optimizer.param_groups:
         group["lr"] = learning_rate(o, step)
-    run.model.router.set_step(step)
+    run.model.router.set_step(step, t.get("routing_off_after"))
     loss = accumulate_gradients(run, run.cfg.model.params.num_classes, t.general.class_drop_prob)
     if o.grad_clip:
         run.accelerator.clip_grad_norm_(run.trained_params, o.grad_clip)

@@ -92,7 +92,7 @@ def open_run_log(run, resumed_from) -> MetricsLogger:
     print(f"resuming from {resumed_from} at step {run.step}" if resumed_from is not None else "starting at step 0")
     if router.routes or run.projector is not None:
         per_rank_batch = cfg.train.general.batch_size // world
-        params = OmegaConf.to_container(cfg.model.params, resolve=True)
+        params = dict(OmegaConf.to_container(cfg.model.params, resolve=True), routes=router.routes)
         report = routing_flop_report(cfg.model.backbone_type, params, per_rank_batch,
                                      OmegaConf.to_container(cfg.repa, resolve=True), cfg.dataset.kind)
         print(format_report(cfg.model.backbone_type, report, per_rank_batch, cfg.train.mixed_precision))
