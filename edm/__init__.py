@@ -2,9 +2,7 @@
 from edm.guidance import ClassifierFreeGuidance, NFECounter, RoutingGuidance
 from edm.loss import EDMLoss
 from edm.precond import EDMPrecond
-from edm.sampler import (SAMPLERS, StackedRandomGenerator, ablation_sampler, bind_sampler, edm_sampler, euler_sampler,
-                         sampler_from_config)
+from edm.sampler import SAMPLERS, StackedRandomGenerator, ablation_sampler, bind_sampler, edm_sampler, euler_sampler
 
 __all__ = ["EDMLoss", "EDMPrecond", "ClassifierFreeGuidance", "NFECounter", "RoutingGuidance", "SAMPLERS",
-           "StackedRandomGenerator", "ablation_sampler", "bind_sampler", "edm_sampler", "euler_sampler",
-           "sampler_from_config"]
+           "StackedRandomGenerator", "ablation_sampler", "bind_sampler", "edm_sampler", "euler_sampler"]

@@ -47,7 +47,6 @@ __all__ = [
     "ablation_sampler",
     "StackedRandomGenerator",
     "SAMPLERS",
-    "sampler_from_config",
     "edm_time_steps",
 ]
 
@@ -418,13 +417,3 @@ def bind_sampler(name: str, fn: Callable, **kwargs) -> Callable:
     if unknown:
         raise UserError(f"sampler {name!r} has no setting {', '.join(unknown)}; valid settings: {', '.join(allowed)}")
     return functools.partial(fn, **kwargs)
-
-
-def sampler_from_config(name: str, **kwargs) -> Callable:
-    """The sampler `name` ('edm' / 'heun', 'euler', 'ablation') with its settings bound (see `bind_sampler`).
-
-    Returns ``fn(net, latents, class_labels=None, **more)``.
-    """
-    if name not in SAMPLERS:
-        raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(sorted(SAMPLERS))}")
-    return bind_sampler(name, SAMPLERS[name], **kwargs)

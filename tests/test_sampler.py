@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from edm.sampler import (SAMPLERS, StackedRandomGenerator, ablation_sampler, edm_sampler, edm_time_steps,
-                         euler_sampler, sampler_from_config)
+from edm.sampler import (SAMPLERS, StackedRandomGenerator, ablation_sampler, bind_sampler, edm_sampler,
+                         edm_time_steps, euler_sampler)
 from generation.generate import SAMPLERS as ALL_SAMPLERS, make_sampler
 from tread_utils.errors import UserError
 
@@ -180,7 +180,7 @@ def test_gaussian_data_distribution(name, extra):
     gen = StackedRandomGenerator("cpu", seeds)
     latents = gen.randn([len(seeds), 100])
     kw = {"num_steps": 32, **extra}
-    out = sampler_from_config(name, **kw)(net, latents, randn_like=gen.randn_like)
+    out = bind_sampler(name, SAMPLERS[name], **kw)(net, latents, randn_like=gen.randn_like)
     assert out.shape == latents.shape and torch.isfinite(out).all()
     assert out.mean().item() == pytest.approx(mu, abs=0.01)
     assert out.std().item() == pytest.approx(s0, rel=0.03)
@@ -190,7 +190,7 @@ def test_nfe_counts():
     for name, kw, expected in [("edm", {}, 2 * 10 - 1), ("euler", {}, 10),
                                ("ablation", {"solver": "heun"}, 19), ("ablation", {"solver": "euler"}, 10)]:
         net = GaussianDenoiser(0.0, 0.5)
-        sampler_from_config(name, num_steps=10, **kw)(net, torch.randn(2, 3))
+        bind_sampler(name, SAMPLERS[name], num_steps=10, **kw)(net, torch.randn(2, 3))
         assert net.num_calls == expected, name
 
 
@@ -268,13 +268,15 @@ def test_sampler_output_depends_only_on_seed():
     torch.testing.assert_close(torch.cat([run([0]), run([1, 2]), run([3])]), full, rtol=1e-6, atol=1e-6)
 
 
-def test_sampler_from_config():
+def test_samplers_and_their_settings_are_checked_where_they_are_built():
+    """make_sampler (generation) is where a sampler is built from a config, and the one place that refuses an
+    unknown name; bind_sampler refuses a setting the sampler does not have."""
     assert SAMPLERS["edm"] is edm_sampler and SAMPLERS["euler"] is euler_sampler
     assert SAMPLERS["ablation"] is ablation_sampler
-    with pytest.raises(UserError, match="unknown sampler"):
-        sampler_from_config("dpm")
+    with pytest.raises(UserError, match="unknown sampler 'dpm'"):
+        make_sampler({"name": "dpm"})
     with pytest.raises(UserError, match="num_step"):
-        sampler_from_config("edm", num_step=3)
+        bind_sampler("edm", edm_sampler, num_step=3)
     with pytest.raises(ValueError):
         ablation_sampler(GaussianDenoiser(0, 1), torch.randn(1, 2), solver="rk4")
 
