@@ -72,6 +72,18 @@ def write_reference(out, feats: dict, tag: str, save_features: bool = False) -> 
     return atomic_write(out, lambda f: np.savez(f, **arrays))
 
 
+def refuse_overwriting_images(out: Path, images: Path):
+    """--out may replace earlier statistics, never images: the --images file itself, or another image batch."""
+    if out.exists() and out.resolve() == images.resolve():
+        raise UserError(f"--out {out} is the --images file: writing the statistics there would replace the images; "
+                        f"give another --out, e.g. {out.with_name(out.stem + '_ref.npz')}")
+    if out.is_file() and out.suffix == ".npz":
+        with np.load(out) as existing:
+            if "arr_0" in existing.files:
+                raise UserError(f"--out {out} holds an image batch (arr_0), not statistics; writing there would "
+                                f"replace it: give another --out")
+
+
 def _same_network(stored: str) -> str:
     name, random_init = split_tag(stored)
     return (f"run `fid.py calc` with --network {name}{' --random-init' if random_init else ''}, as `fid.py ref` was, "
@@ -120,6 +132,8 @@ def main(argv=None):
         raise UserError(f"--num-images must be >= 2, got {args.num_images}")
     tag = network_tag(args.network, args.random_init)
     open_images(args.images, min_count=args.num_images)  # validate before building a network
+    if args.command == "ref":
+        refuse_overwriting_images(Path(args.out), Path(args.images))
     if args.command == "calc":
         inspect_reference(args.ref)
         check_reference_network(args.ref, tag, _same_network)

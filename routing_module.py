@@ -221,11 +221,21 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
         unknown = sorted(set(r) - set(ROUTE_KEYS)) if hasattr(r, "keys") else []
         if unknown:  # a misspelt option would otherwise fall back to its default unseen
             raise RouteError(f"route {i}: unknown key(s) {unknown}; accepted: {', '.join(ROUTE_KEYS)}")
-        try:
-            start, end, ratio = int(r["start_layer_idx"]), int(r["end_layer_idx"]), float(r["selection_ratio"])
-        except (KeyError, TypeError, ValueError):
-            raise RouteError(f"route {i} ({dict(r) if hasattr(r, 'keys') else r}) needs integer start_layer_idx, "
-                             f"end_layer_idx and a float selection_ratio")
+        if not hasattr(r, "keys"):
+            raise RouteError(f"route {i} ({r!r}) needs integer start_layer_idx, end_layer_idx and a float "
+                             f"selection_ratio")
+        missing = [k for k in ("start_layer_idx", "end_layer_idx", "selection_ratio") if r.get(k) is None]
+        if missing:
+            raise RouteError(f"route {i} needs integer start_layer_idx, end_layer_idx and a float selection_ratio; "
+                             f"it has no {' or '.join(missing)}")
+        start, end, ratio = r["start_layer_idx"], r["end_layer_idx"], r["selection_ratio"]
+        # 2.5 is not a block and false is not a ratio: neither is converted into one
+        for which, value, kind in (("start_layer_idx", start, "an integer"), ("end_layer_idx", end, "an integer"),
+                                   ("selection_ratio", ratio, "a number")):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or (kind == "an integer" and not float(value).is_integer()):
+                raise RouteError(f"route {i}: {which} must be {kind}, got {value!r}")
+        start, end, ratio = int(start), int(end), float(ratio)
         name = f"route {i} ({start} -> {end}, ratio {ratio})"
         for which, idx in (("start_layer_idx", start), ("end_layer_idx", end)):
             if not -depth <= idx < depth:

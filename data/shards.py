@@ -255,14 +255,22 @@ def _find_shards(path):
 
 
 def _read_manifest(path):
-    """manifest.json beside the shards (written by `python -m data.extract_latents`), or None."""
+    """manifest.json beside the shards (written by `python -m data.extract_latents`), or None when there is none.
+    One that cannot be read or parsed is refused: taken for absent, its scale and VAE would be replaced by
+    defaults unseen."""
     root = path if os.path.isdir(path) else os.path.dirname(path)
-    try:
-        with open(os.path.join(root, "manifest.json")) as f:
-            manifest = json.load(f)
-        return manifest if isinstance(manifest, dict) else None
-    except (OSError, ValueError):
+    file = os.path.join(root, "manifest.json")
+    if not os.path.exists(file):
         return None
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{file} cannot be read ({type(e).__name__}: {e}); fix it, or rewrite it by running "
+                        f"python -m data.extract_latents again on the same folders (it resumes)") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{file} holds a {type(manifest).__name__}, not the mapping data.extract_latents writes")
+    return manifest
 
 
 def _manifest_counts(path, tars, manifest):

@@ -302,3 +302,21 @@ def test_fid_cli_bad_inputs(tmp_path, capsys):
     np.savez(tmp_path / "incep.npz", mu=np.zeros(2048), sigma=np.eye(2048), feature_network=np.array("inception"))
     _expect_user_error(capsys, fid_cli.main, ["calc", "--images", str(tmp_path / "imgs.npz"), "--ref",
                                               str(tmp_path / "incep.npz"), "--network", "digits"], r"--network inception")
+
+
+def test_fid_cli_ref_never_writes_over_images(tmp_path, capsys):
+    """--out naming the --images batch, or another image batch, is refused before anything is computed; the
+    images are left as they were."""
+    import hashlib
+
+    images = _digit_pngs(tmp_path / "pngs", n=6)
+    np.savez(tmp_path / "s.npz", arr_0=images)
+    np.savez(tmp_path / "other.npz", arr_0=images[:3])
+    digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "s.npz", tmp_path / "other.npz")}
+    _expect_user_error(capsys, fid_cli.main, ["ref", "--images", str(tmp_path / "s.npz"), "--out",
+                                              str(tmp_path / "s.npz"), "--network", "digits", "--random-init"],
+                       r"is the --images file: writing the statistics there would replace the images")
+    _expect_user_error(capsys, fid_cli.main, ["ref", "--images", str(tmp_path / "pngs"), "--out",
+                                              str(tmp_path / "other.npz"), "--network", "digits"],
+                       r"holds an image batch \(arr_0\), not statistics")
+    assert digest == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in digest}

@@ -238,3 +238,18 @@ def test_route_selection_validation():
 def test_unknown_route_key_is_refused_listing_the_accepted_ones():
     with pytest.raises(RouteError, match=r"unknown key\(s\) \['importance_mx'\]; accepted: start_layer_idx"):
         resolve_routes([dict(route(2, 8), selection="importance", importance_mx=0.5)], 12)
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(start_layer_idx=2, end_layer_idx=2.5, selection_ratio=0.5), "route 0: end_layer_idx must be an integer, got 2.5"),
+    (dict(start_layer_idx=True, end_layer_idx=4, selection_ratio=0.5), "start_layer_idx must be an integer, got True"),
+    (dict(start_layer_idx=2, end_layer_idx=4, selection_ratio=False), "selection_ratio must be a number, got False"),
+    (dict(start_layer_idx=2, end_layer_idx="4", selection_ratio=0.5), "end_layer_idx must be an integer, got '4'"),
+    (dict(start_layer_idx=2, selection_ratio=0.5), "it has no end_layer_idx$"),
+])
+def test_a_route_value_is_never_converted_into_another(spec, message):
+    """A float block index is not truncated, a boolean is not a ratio (an exported config.json or apply_tread's
+    routes reach resolve_routes without the config's typed schema); a missing key is named, not the route."""
+    with pytest.raises(RouteError, match=message):
+        resolve_routes([spec], 12)
+    assert resolve_routes([dict(start_layer_idx=2, end_layer_idx=4.0, selection_ratio=0)], 12)[0].end_layer_idx == 4

@@ -251,6 +251,17 @@ def test_the_manifest_decides_the_scale(tmp_path, scaled, expected):
     assert ds.shards[0]._rows is None  # decided without reading a sample
 
 
+@pytest.mark.parametrize("text, said", [('{"scale_factor": 0.18215,}', "JSONDecodeError"), ("[1, 2]", "holds a list")])
+def test_a_malformed_manifest_is_refused_not_taken_for_absent(tmp_path, text, said):
+    """Read as absent, a manifest with a trailing comma would give the default scale and VAE unseen."""
+    write_tar(tmp_path / "a.tar", simple(3, (C, S, S)))
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(UserError) as e:
+        LatentShardDataset(tmp_path, C, S, K)
+    msg = one_line(e)
+    assert str(tmp_path / "manifest.json") in msg and said in msg
+
+
 def test_a_shard_is_opened_once_per_process_not_per_sample(tmp_path, monkeypatch):
     """The trainer and every DataLoader worker open a shard once and keep it; a worker forked after the
     parent opened it opens its own; deleting the dataset closes the descriptor."""
