@@ -63,3 +63,22 @@ def test_init_from_loads_weights_and_refuses_other_shapes(tmp_path):
     missing = run_script("train.py", f"results_dir={tmp_path}", "run_name=bad2", *tiny_overrides("dit"),
                          f"init_from={tmp_path / 'nope'}", "train.max_steps=1")
     assert_one_line_error(missing, "does not exist")
+
+
+def test_init_from_onto_a_run_that_would_resume_is_refused_unless_it_began_there(tmp_path):
+    """A run folder with checkpoints resumes from them. init_from naming another source there (the baseline of
+    the quick start, say) is refused in one line, its checkpoints untouched; a fine-tune resumed by its own
+    command (same init_from) goes on."""
+    common = (f"results_dir={tmp_path}", *tiny_overrides("dit"), "train.ckpt_every=1")
+    run_script("train.py", "run_name=src", *common, "train.max_steps=1", check=True)
+    run_script("train.py", "run_name=base", *common, "train.max_steps=1", check=True)
+    before = (tmp_path / "base" / "checkpoints" / "ckpt_00000001.pt").read_bytes()
+    refused = run_script("train.py", "run_name=base", *common, f"init_from={tmp_path / 'src'}", "train.max_steps=2")
+    assert_one_line_error(refused, f"init_from={tmp_path / 'src'} would be ignored: {tmp_path / 'base'} already holds "
+                                   "checkpoints of a run started from scratch")
+    assert (tmp_path / "base" / "checkpoints" / "ckpt_00000001.pt").read_bytes() == before
+    assert list_checkpoints(tmp_path / "base" / "checkpoints")[-1][0] == 1
+    ft = (*common, "run_name=ft", f"init_from={tmp_path / 'src'}")
+    run_script("train.py", *ft, "train.max_steps=1", check=True)
+    resumed = run_script("train.py", *ft, "train.max_steps=2", check=True)
+    assert "resuming from" in resumed.stdout and newest(tmp_path / "ft")["step"] == 2

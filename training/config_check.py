@@ -232,6 +232,22 @@ def check_paths(cfg):
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).expanduser().exists():
             raise UserError(f"{key}={value} does not exist; give an existing path, or {key}=null")
+    check_init_from_resumes(cfg)
+
+
+def check_init_from_resumes(cfg):
+    """init_from with a run folder that already holds checkpoints: the run resumes from them, so init_from is
+    honoured only if that run was itself started from the same source (a fine-tune resumed by its own command)."""
+    run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
+    if not cfg.init_from or not cfg.resume or not list((run_dir / "checkpoints").glob("ckpt_*.pt")):
+        return
+    saved = run_dir / "config.yaml"
+    started_from = OmegaConf.load(saved).get("init_from") if saved.is_file() else None
+    if started_from is None or Path(str(started_from)).expanduser().resolve() != \
+            Path(str(cfg.init_from)).expanduser().resolve():
+        raise UserError(f"init_from={cfg.init_from} would be ignored: {run_dir} already holds checkpoints of a run "
+                        f"started {f'from {started_from}' if started_from else 'from scratch'}, and it would resume "
+                        f"from them; give the fine-tune its own run_name=..., or resume=false to start this one over")
 
 
 def check_cross(cfg, world_size: int):
