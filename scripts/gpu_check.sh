@@ -5,15 +5,16 @@
 #   bash scripts/gpu_check.sh ROW... --budget SECONDS [OUT_DIR]   the rows named (a second command: what failed)
 #   bash scripts/gpu_check.sh --dry-run all|ROW... [--budget SECONDS] [OUT_DIR]   the same on the CPU at toy size
 #       (CI runs it; the paper code only where PAPER_CODE names it)
-# Rows, with the targets they measure and the seconds they are estimated to take on one H100/H200 (compilation
-# included; the estimate decides whether a row starts, and a row may run to twice it):
-#   xl2    240  DiT-XL/2, batch 256 as 2 x 128, bf16, compiled: `dit` (MFU), `tread` 2 -> 24 at 0.5 (speed-up
+# Rows, with the targets they measure and the seconds they are estimated to take on one H100/H200, compilation
+# included (the H200 run in docs/perf/h200_check, rounded up); the estimate decides whether a row starts, and a
+# row may run to twice it:
+#   xl2    280  DiT-XL/2, batch 256 as 2 x 128, bf16, compiled: `dit` (MFU), `tread` 2 -> 24 at 0.5 (speed-up
 #               against the FLOP bound), then the paper code's two (ours / theirs); one profiled step of each of ours
 #   b2     150  DiT-B/2, batch 256, bf16: ours compiled against the paper code as published, profiled likewise
-#   fid    200  in-training FID-5K of DiT-B/2: 40 Heun steps, SD-VAE decode, Inception, FID, each stage timed
-#   cuda    90  pytest -n 0 -m cuda
+#   fid    130  in-training FID-5K of DiT-B/2: 40 Heun steps, SD-VAE decode, Inception, FID, each stage timed
+#   cuda   100  pytest -n 0 -m cuda
 #   suite  300  the ADM suite on 50,000 samples against 10,000 references: time and peak host memory
-#   train  100  compiled routed training on the digits, 200 steps, an evaluation at step 100: recompiles, graphs
+#   train   60  compiled routed training on the digits, 200 steps, an evaluation at step 100: recompiles, graphs
 # OUT_DIR (default $OUT, else gpu_check_out) receives, as each row ends: ROW.json (the bench record, device name
 # inside), its log appended to logs.txt, and a line in summary.txt; the script's last line is the summary. At
 # most 8 files, the most one device command brings back.
@@ -23,7 +24,7 @@
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
 ROWS_ALL=(xl2 b2 fid cuda suite train)
-declare -A ESTIMATE=([xl2]=240 [b2]=150 [fid]=200 [cuda]=90 [suite]=300 [train]=100)
+declare -A ESTIMATE=([xl2]=280 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2

@@ -117,7 +117,7 @@ def test_cuda_tests_are_collected_and_training_logs_its_metrics(tmp_path):
 
 
 def test_a_row_that_no_longer_fits_the_budget_is_skipped_and_the_next_runs(tmp_path):
-    proc, out = dry_run(tmp_path, "suite", "train", "--budget", "150")  # suite: 300 s estimated, train: 100
+    proc, out = dry_run(tmp_path, "suite", "train", "--budget", "150")  # suite: 300 s estimated, train: 60
     assert proc.returncode == 0, proc.stderr
     ran = rows_run(out)
     assert ran["suite"].startswith("skipped, estimated 300 s and ") and ran["train"].startswith("rc 0 ")
