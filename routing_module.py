@@ -94,6 +94,13 @@ def selection_options(rule: str) -> dict:
     return options
 
 
+def is_number(value, integer: bool = False) -> bool:
+    """An int or float (never a bool), integral when `integer`: a config value taken as it is, never converted
+    (2.5 is not a block, false is not a ratio)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and (not integer or float(value).is_integer())
+
+
 def check_selection(rule, options, name: str) -> tuple:
     """The route's rule and options, checked against the rule's signature: ((key, value), ...) sorted."""
     if rule not in SELECTIONS:
@@ -104,8 +111,8 @@ def check_selection(rule, options, name: str) -> tuple:
             raise RouteError(f"{name}: selection {rule} has no option {key!r}; its options: "
                              f"{', '.join(accepted) or 'none'}")
         kind, bounds, _ = accepted[key]
-        number = kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (isinstance(value, kind) or number) or (kind is int and not float(value).is_integer()):
+        ok = is_number(value, integer=kind is int) if kind in (int, float) else isinstance(value, kind)
+        if not ok:
             raise RouteError(f"{name}: selection option {key} must be {kind.__name__}, got {value!r}")
         if bounds and not bounds[0] <= value <= bounds[1]:
             raise RouteError(f"{name}: {key} must be in [{bounds[0]}, {bounds[1]}], got {value}")
@@ -229,12 +236,11 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
             raise RouteError(f"route {i} needs integer start_layer_idx, end_layer_idx and a float selection_ratio; "
                              f"it has no {' or '.join(missing)}")
         start, end, ratio = r["start_layer_idx"], r["end_layer_idx"], r["selection_ratio"]
-        # 2.5 is not a block and false is not a ratio: neither is converted into one
-        for which, value, kind in (("start_layer_idx", start, "an integer"), ("end_layer_idx", end, "an integer"),
-                                   ("selection_ratio", ratio, "a number")):
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not number or (kind == "an integer" and not float(value).is_integer()):
-                raise RouteError(f"route {i}: {which} must be {kind}, got {value!r}")
+        for which, value, integer in (("start_layer_idx", start, True), ("end_layer_idx", end, True),
+                                      ("selection_ratio", ratio, False)):
+            if not is_number(value, integer):
+                raise RouteError(f"route {i}: {which} must be {'an integer' if integer else 'a number'}, "
+                                 f"got {value!r}")
         start, end, ratio = int(start), int(end), float(ratio)
         name = f"route {i} ({start} -> {end}, ratio {ratio})"
         for which, idx in (("start_layer_idx", start), ("end_layer_idx", end)):

@@ -238,8 +238,12 @@ def check_paths(cfg):
 def check_init_from_resumes(cfg):
     """init_from with a run folder that already holds checkpoints: the run resumes from them, so init_from is
     honoured only if that run was itself started from the same source (a fine-tune resumed by its own command)."""
+    if not cfg.init_from or not cfg.resume:
+        return
+    from training.checkpoint import list_checkpoints  # torch: only for a run that starts from another's weights
+
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
-    if not cfg.init_from or not cfg.resume or not list((run_dir / "checkpoints").glob("ckpt_*.pt")):
+    if not list_checkpoints(run_dir / "checkpoints"):
         return
     saved = run_dir / "config.yaml"
     started_from = OmegaConf.load(saved).get("init_from") if saved.is_file() else None
