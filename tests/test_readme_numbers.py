@@ -213,6 +213,28 @@ def test_gpu_targets_table_is_the_check_output():
         assert "NVIDIA H200" in (H200 / f"command{i}_summary.txt").read_text()
 
 
+PROFILE_COLUMNS = {"matmul": "matmul", "attention": "attention", "adaLN/modulate + layer norm": "adaLN/modulate + layer norm",
+                   "other elementwise": "other", "optimizer": "optimizer", "gather/scatter": "gather/scatter"}
+
+
+def test_profile_table_is_the_xl2_json_less_its_listed_annotation_ranges():
+    """docs/performance.md's profile table: each category of the JSON's profile less the annotation ranges its top
+    entries list (`## Call CompiledFxGraph ##` in other, `...#AdamW.step` in optimizer); kernels: their sum."""
+    rows = {r["model"]: r for r in json.loads((H200 / "xl2.json").read_text())["training"] if "profile" in r}
+    for row in table(PERFORMANCE, "| | step | kernels | matmul |"):
+        run = rows[row[""].strip("`")]
+        ms = dict(run["profile"]["ms_by_category"])
+        for entry in run["profile"]["top"]:
+            if entry["name"].startswith("## "):
+                ms["other"] -= entry["ms"]
+            elif "#" in entry["name"]:
+                ms["optimizer"] -= entry["ms"]
+        assert_close(row["step"], run["step_s"] * 1000, "profiled variant's step")
+        assert_close(row["kernels"], sum(ms.values()), "kernel time")
+        for column, key in PROFILE_COLUMNS.items():
+            assert_close(row[column], ms[key], f"{run['model']} {column}")
+
+
 def test_h100_table_is_the_benchmark_json():
     bench = json.loads((PERF / "h100_b2.json").read_text())
     assert "H100" in bench["device"] and bench["dtype"] == "bf16"
