@@ -228,9 +228,10 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None, save=lambda row
 
 def profile_summary(name, p) -> str:
     """A profiled step in a few lines: where its time went and how much of it the device was busy."""
-    fp32 = "not recorded by this torch" if p["fp32_matmul_ms"] is None else f"{p['fp32_matmul_ms']:.1f} ms"
+    gpu = "" if p["host_syncs"] is None else \
+        f", {p['host_syncs']} host sync(s), float32 kernels {p['fp32_kernel_ms']:.1f} ms"
     lines = [f"{name}, one profiled step: {p['wall_ms']:.1f} ms wall, busy {p['busy_ms']:.1f} ms "
-             f"({p['busy_share']:.0%}), {p['host_syncs']} host sync(s), float32 matmuls {fp32}"]
+             f"({p['busy_share']:.0%}){gpu}"]
     lines += [f"    {cat:<30} {ms:9.1f} ms" for cat, ms in p["ms_by_category"].items()]
     lines += [f"    top: {t['ms']:8.1f} ms x{t['count']:<4} {t['name']}" for t in p["top"][:8]]
     return "\n".join(lines)

@@ -134,7 +134,6 @@ CATEGORIES = (
     ("adaLN/modulate + layer norm", ("layer_norm",)),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
 )
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear")
 HOST_SYNCS = ("cudastreamsynchronize", "cudadevicesynchronize", "cudaeventsynchronize")  # .item() ends in the first
 
 
@@ -149,15 +148,16 @@ def annotation(event) -> bool:
 
 def profile_step(step, device, top=15) -> dict:
     """One step under torch.profiler, summed by what limits a step: GPU time (CPU time on a CPU) per category
-    of CATEGORIES, the matmuls whose inputs are float32 (the block after a route; where torch records the dtypes,
-    else None), host syncs (GPU only), the share of the step's wall time the GPU was busy, and the top kernels."""
+    of CATEGORIES, the kernels that compute in float32 (GPU only, by name: `..._f32...`, the block after a route's
+    attention and TF32 matmuls), host syncs (GPU only), the share of the step's wall time the GPU was busy, and the
+    top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(device)
     t0 = time.perf_counter()
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profile(activities=activities) as prof:
         step()
         sync(device)
     wall = time.perf_counter() - t0
@@ -170,14 +170,10 @@ def profile_step(step, device, top=15) -> dict:
     by_category = {}
     for name, us, _ in rows:
         by_category[category(name)] = by_category.get(category(name), 0.0) + us / 1e3
-    events = prof.events()
-    fp32 = None
-    if events and hasattr(events[0], "input_dtypes"):
-        fp32 = sum((e.device_time_total if cuda else e.cpu_time_total) for e in events
-                   if e.name in MATMULS and "float" in (e.input_dtypes or [])) / 1e3
-    syncs = sum(e.name.lower() in HOST_SYNCS for e in events) - 1 if cuda else None  # less our own closing sync
+    fp32 = sum(us for name, us, _ in rows if "f32" in name.lower()) / 1e3 if cuda else None
+    syncs = sum(e.name.lower() in HOST_SYNCS for e in prof.events()) - 1 if cuda else None  # less our closing sync
     busy = sum(us for _, us, _ in rows) / 1e3
     return dict(wall_ms=wall * 1e3, busy_ms=busy, busy_share=busy / (wall * 1e3),
-                ms_by_category=dict(sorted(by_category.items(), key=lambda kv: -kv[1])), fp32_matmul_ms=fp32,
+                ms_by_category=dict(sorted(by_category.items(), key=lambda kv: -kv[1])), fp32_kernel_ms=fp32,
                 host_syncs=syncs, top=[dict(name=n[:120], ms=us / 1e3, count=c)
                                        for n, us, c in sorted(rows, key=lambda r: -r[1])[:top]])

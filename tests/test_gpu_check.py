@@ -93,7 +93,8 @@ def test_training_rows_time_ours_and_the_paper_code_and_profile_ours(tmp_path):
         for r in rows:
             assert ("profile" in r) == (r["code"] == "ours")
         profile = rows[1]["profile"]
-        assert profile["ms_by_category"]["matmul"] > 0 and profile["top"] and profile["host_syncs"] is None
+        assert profile["ms_by_category"]["matmul"] > 0 and profile["top"]
+        assert profile["host_syncs"] is None and profile["fp32_kernel_ms"] is None  # GPU-only readings
         assert not (out / f"{name}.md").exists()  # the tables are in the log
 
 
