@@ -15,6 +15,8 @@
 #   cuda   100  pytest -n 0 -m cuda
 #   suite  300  the ADM suite on 50,000 samples against 10,000 references: time and peak host memory
 #   train   60  compiled routed training on the digits, 200 steps, an evaluation at step 100: recompiles, graphs
+#   xl2bf16 200  as xl2, ours alone, with the block after the route in bf16 (model.params.fp32_after_route=false):
+#               the speed-up against the FLOP bound without the authors' float32 block
 # OUT_DIR (default $OUT, else gpu_check_out) receives, as each row ends: ROW.json (the bench record, device name
 # inside), its log appended to logs.txt, and a line in summary.txt; the script's last line is the summary. At
 # most 8 files, the most one device command brings back.
@@ -23,8 +25,8 @@
 # code put github.com/CompVis/tread's dit.py and routing_module.py in .paper-code/ (git-ignored, carried;
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
-ROWS_ALL=(xl2 b2 fid cuda suite train)
-declare -A ESTIMATE=([xl2]=280 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60)
+ROWS_ALL=(xl2 b2 fid cuda suite train xl2bf16)
+declare -A ESTIMATE=([xl2]=280 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60 [xl2bf16]=200)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2
@@ -108,6 +110,10 @@ training_row() {  # bench ROW BACKBONE MICRO_BATCH: dit, tread and the paper cod
 
 xl2() { training_row xl2 $XL2 $MICRO; }
 b2() { training_row b2 $B2 $BATCH; }
+xl2bf16() {
+  bench xl2bf16 --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
+    --fp32-after-route off --sections training
+}
 fid() { bench fid --backbones $B2 "${FID[@]}" --fid-compile "${COMPILE[@]}" --sections fid; }
 suite() { bench suite "${SUITE[@]}" --sections suite --tmp-dir "$RES"; }
 cuda() { run_row cuda $PY -m pytest -p no:cacheprovider -n 0 -m cuda "${PYTEST_CUDA[@]}"; }

@@ -80,8 +80,10 @@ def check_rows(proc, out, expected):
 
 
 def test_training_rows_time_ours_and_the_paper_code_and_profile_ours(tmp_path):
-    proc, out = dry_run(tmp_path, "xl2", "b2", PAPER_CODE=str(write_paper_repo(tmp_path / "paper")))
-    check_rows(proc, out, ["xl2", "b2"])
+    proc, out = dry_run(tmp_path, "xl2", "b2", "xl2bf16", PAPER_CODE=str(write_paper_repo(tmp_path / "paper")))
+    check_rows(proc, out, ["xl2", "b2", "xl2bf16"])
+    bf16 = json.loads((out / "xl2bf16.json").read_text())["training"]
+    assert [(r["code"], r["model"], r["fp32_after_route"]) for r in bf16] == [("ours", "dit", None), ("ours", "tread", False)]
     for name, micro_batch in (("xl2", 2), ("b2", 4)):
         record = json.loads((out / f"{name}.json").read_text())
         rows = record["training"]
