@@ -10,6 +10,7 @@ output has the input's channels (no learned sigma). All initialisation is in `in
   DiT-S/2 outputs std ~1.1);
 * `init="adaln_zero"` is DiT's adaLN-Zero (Peebles & Xie): those layers start at zero (output exactly 0).
 """
+import inspect
 import math
 
 import numpy as np
@@ -23,9 +24,10 @@ from torch.utils.checkpoint import checkpoint
 from backbones import modulate
 from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
-from routing_module import TokenRouter, as_routes
+from routing_module import TokenRouter, as_routes, is_number
 from tread_utils.errors import UserError
-from tread_utils.hub import WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_weights
+from tread_utils.hub import (CONFIG_NAME, WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_config,
+                             read_weights, refuse_missing_folder)
 
 
 class TimestepEmbedder(nn.Module):
@@ -208,6 +210,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         """An exported model (`python -m tools.export`): a local folder (offline), or a Hub repository id (through
         the Hub cache). Keyword arguments override the config, e.g. `routes=[], enable_routing=False` for an
         unrouted model from a TREAD export. `save_pretrained(DIR)` and `push_to_hub(REPO_ID)` write the same layout."""
+        refuse_missing_folder(pretrained_model_name_or_path)
         with hub_errors_as_user_errors(pretrained_model_name_or_path):
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
@@ -215,11 +218,12 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
     def _from_pretrained(cls, *, model_id, revision, cache_dir, force_download, local_files_only, token,
                          map_location="cpu", strict=True, config=None, **model_kwargs):
         # the mixin's own loader falls back to a pickled file and accepts missing keys: safetensors only, exact
-        model_file(model_id, "config.json", revision=revision, cache_dir=cache_dir, force_download=force_download,
-                   local_files_only=local_files_only, token=token)
+        config_file = model_file(model_id, CONFIG_NAME, revision=revision, cache_dir=cache_dir,
+                                 force_download=force_download, local_files_only=local_files_only, token=token)
         weights = model_file(model_id, WEIGHTS_NAME, revision=revision, cache_dir=cache_dir,
                              force_download=force_download, local_files_only=local_files_only, token=token)
-        model = cls(**model_kwargs)
+        on_file = {k: v for k, v in (config or read_config(config_file)).items() if k != "tread"}
+        model = cls(**checked_arguments({**on_file, **model_kwargs}, where=str(config_file)))  # sample.py's rule
         model._hub_mixin_config = {**(config or {}), **model_kwargs}  # save/push_to_hub keep the "tread" entry
         load_exact(model, read_weights(weights), model_id)
         return model.to(map_location).eval()
@@ -253,36 +257,58 @@ PAPER_ONLY_VALUES = {"cond_mode": ("adaln", "adaLN conditioning is the only one 
                      "learn_sigma": (False, "EDM's denoiser predicts no variance")}
 
 
-def model_kwargs(backbone_type: str, params) -> dict:
-    """The checked arguments of `DiT` for a registry name and the config's `model.params` (which may override
-    sizes; a null value keeps the registry's or DiT's default). The one check of the model's values, for the
-    config (training.config_check calls it) and for Python callers alike: a one-line UserError for an
-    unknown backbone, key or value, routes included (resolved into `Route`s here)."""
-    if backbone_type not in DiT_models:
-        raise UserError(f"unknown backbone {backbone_type!r}; choose one of {', '.join(DiT_models)} "
-                        f"(model.backbone_type)")
+def checked_arguments(params, where: str = "model.params") -> dict:
+    """The checked arguments of `DiT` (nulls dropped): known keys, value types as DiT's defaults have them (an
+    int is never a bool or a string of digits), the values this code builds, routes resolved into `Route`s.
+    The one check of a model's values, for the config, exported config.json files and Python callers alike;
+    `where` names the source in its one-line UserError."""
+    def name(key):  # model.params.depth, or depth in exported/x/config.json
+        return f"{where}.{key}" if where == "model.params" else f"{key} in {where}"
+
     params = {k: v for k, v in dict(params).items() if v is not None}
     unknown = sorted(set(params) - MODEL_PARAM_KEYS)
     if unknown:
-        raise UserError(f"unknown model.params key(s) {unknown}; accepted: {sorted(MODEL_PARAM_KEYS)}")
+        raise UserError(f"unknown {where} key(s) {unknown}; accepted: {sorted(MODEL_PARAM_KEYS)}")
     for key, (supported, why) in PAPER_ONLY_VALUES.items():
         value = params.pop(key, supported)
         if value != supported:
-            raise UserError(f"model.params.{key}={value!r} is not supported: only {supported!r} ({why}); "
+            raise UserError(f"{name(key)}={value!r} is not supported: only {supported!r} ({why}); "
                             f"remove the key or set it to {supported!r}")
-    kwargs = {**DiT_models[backbone_type], **params}
-    if kwargs.get("init", "official") not in INITS:
-        raise UserError(f"model.params.init must be one of {', '.join(INITS)}, got {kwargs['init']!r} "
+    defaults = {n: p.default for n, p in inspect.signature(DiT.__init__).parameters.items() if n != "self"}
+    for key, value in params.items():
+        kind = type(defaults[key])  # routes (default None): checked by as_routes below
+        ok = is_number(value, integer=kind is int) if kind in (int, float) else kind is type(None) or \
+            isinstance(value, kind)
+        if not ok:
+            raise UserError(f"{name(key)} must be {TYPE_NAMES[kind]}, got {value!r} ({type(value).__name__})")
+        if kind in (int, float):
+            params[key] = kind(value)
+    kwargs = {**defaults, **params}
+    if kwargs["init"] not in INITS:
+        raise UserError(f"{name('init')} must be one of {', '.join(INITS)}, got {kwargs['init']!r} "
                         f"(official: the authors' xavier init; adaln_zero: DiT's)")
-    if kwargs.get("block_type", "attention") not in block_classes():
-        raise UserError(f"model.params.block_type must be one of {', '.join(block_classes())}, "
+    if kwargs["block_type"] not in block_classes():
+        raise UserError(f"{name('block_type')} must be one of {', '.join(block_classes())}, "
                         f"got {kwargs['block_type']!r}")
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
-    kwargs["routes"] = as_routes(kwargs.get("routes"), kwargs["depth"])  # resolved once, passed as objects
-    return kwargs
+    params["routes"] = as_routes(params.get("routes"), kwargs["depth"])  # resolved once, passed as objects
+    return params
 
 
-def get_model(backbone_type: str, params) -> DiT:
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def model_kwargs(backbone_type: str, params, where: str = "model.params") -> dict:
+    """`checked_arguments` for a registry name and the config's `model.params`, which may override its sizes
+    (a null value keeps the registry's or DiT's default)."""
+    if backbone_type not in DiT_models:
+        raise UserError(f"unknown backbone {backbone_type!r}; choose one of {', '.join(DiT_models)} "
+                        f"(model.backbone_type)")
+    return checked_arguments({**DiT_models[backbone_type], **{k: v for k, v in dict(params).items()
+                                                              if v is not None}}, where)
+
+
+def get_model(backbone_type: str, params, where: str = "model.params") -> DiT:
     """Build a backbone from the registry; `params` holds the config keys (and may override sizes)."""
-    return DiT(**model_kwargs(backbone_type, params))
+    return DiT(**model_kwargs(backbone_type, params, where))

@@ -65,7 +65,8 @@ def main(cfg: DictConfig):
     cfg.run_name = job_run_name(cfg)
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
     try:  # before any side effect
-        check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                           overrides=HydraConfig.get().overrides.task)
         from tread_utils.distributed import check_cuda_processes  # loads torch: only for a valid config
         check_cuda_processes()
     except UserError as e:
@@ -86,9 +87,10 @@ def main(cfg: DictConfig):
 
 def run(cfg, run_dir: Path, lock):
     from training.loop import training_loop  # torch and the model code load only for a valid config
-    from training.run_dir import write_status
+    from training.run_dir import prepare_run_dir, write_status
 
     try:
+        prepare_run_dir(run_dir, cfg.resume, is_main=int(os.environ.get("RANK", 0)) == 0)  # before "running"
         write_status(run_dir, "running")
         training_loop(cfg, end_training=not is_multirun(),  # a sweep's jobs share one process group
                       heartbeat=lock.refresh if lock is not None else None)

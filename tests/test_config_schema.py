@@ -46,6 +46,7 @@ BAD = {
     "learn_sigma": (["model.params.learn_sigma=true"], "learn_sigma"),
     "unknown_init": (["model.params.init=xavier"], "model.params.init"),
     "negative_cfg_scale": (["train.eval.cfg_scales=[-1]"], "cfg_scales"),
+    "flag_given_a_number": (["train.eval.smoke=2"], "train.eval.smoke=2 must be true or false"),
 }
 
 

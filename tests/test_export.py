@@ -3,6 +3,7 @@ init_from exactly as the run they came from, and refused in one line when config
 import json
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -171,3 +172,69 @@ def test_export_cli_errors_are_one_line(run, tmp_path, capsys):
         assert info.value.code == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err
+
+
+def test_the_model_card_says_what_the_model_is_and_how_to_use_it(exported):
+    card = (exported / "README.md").read_text()
+    assert "More Information Needed" not in card
+    for needle in ("DiT-D/4 (tread-digits, step 7)", "depth 4, width 32, 2 heads", "trained for 7 steps with TREAD "
+                   "token routing (0.5 of the tokens skip blocks 1 to 2", "sigma_data 0.64",
+                   "python sample.py ckpt=MODEL_DIR", "init_from=MODEL_DIR", "library_name: tread"):
+        assert needle in card, needle
+
+
+def test_export_never_replaces_another_model_or_another_runs_export(run, exported, tmp_path, capsys):
+    """--out holding another model's files, or another run's export, is refused with its files unchanged; the
+    same run's export is replaced (a newer step), another run's with --replace."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for name, text in (("config.json", '{"_class_name": "UNet2DModel"}'), ("model.safetensors", "x"),
+                       ("README.md", "their card")):
+        (foreign / name).write_text(text)
+    other = tmp_path / "other"
+    shutil.copytree(exported, other)
+    config = json.loads((other / "config.json").read_text())
+    config["tread"]["run_name"] = "another-run"
+    (other / "config.json").write_text(json.dumps(config))
+    for out, needle in ((foreign, "holds another model"),
+                        (other, "holds an export of run 'another-run' (step 7), not of 'tread-digits'")):
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        with pytest.raises(SystemExit) as info:
+            export.main([str(run), "--out", str(out)])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and needle in err and "\n" not in err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    export.main([str(run), "--out", str(other), "--replace"])
+    again = tmp_path / "again"
+    shutil.copytree(exported, again)
+    export.main([str(run), "--out", str(again)])  # the same run: replaced without a flag
+    assert json.loads((other / "config.json").read_text())["tread"]["run_name"] == "tread-digits"
+
+
+def test_config_json_values_are_checked_by_one_rule_for_every_loader(exported, tmp_path):
+    """A string where an integer belongs, or an unknown key, in an exported config.json: the same one line from
+    DiT.from_pretrained and from the loaders of sample.py and init_from, naming the key and the file."""
+    config = json.loads((exported / "config.json").read_text())
+    for change, needle in (({"depth": "4"}, "depth in {}/config.json must be an integer, got '4'"),
+                           ({"qk_norm": 1}, "qk_norm in {}/config.json must be true or false"),
+                           ({"dropout": 0.1}, "unknown {}/config.json key(s) ['dropout']")):
+        bad = tmp_path / f"bad{len(change)}{next(iter(change))}"
+        shutil.copytree(exported, bad)
+        (bad / "config.json").write_text(json.dumps({**config, **change}))
+        for load in (lambda: DiT.from_pretrained(bad), lambda: load_sampling_net(bad), lambda: load_checkpoint(bad)):
+            with pytest.raises(UserError) as info:
+                load()
+            assert needle.format(bad) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_missing_local_folder_is_said_at_once_not_looked_up_on_the_hub(exported, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("no Hub lookup"))
+    typo = exported.parent / (exported.name + "-typo")
+    for name in (str(typo), "./no-such-folder", "~/no-such-folder-here"):
+        with pytest.raises(UserError, match="no such folder") as info:
+            DiT.from_pretrained(name)
+        assert "\n" not in str(info.value)
+    with pytest.raises(UserError, match=f"holds: .*{exported.name}"):
+        DiT.from_pretrained(typo)

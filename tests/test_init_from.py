@@ -1,6 +1,9 @@
 """init_from: a new run starts from another run's weights (the paper's "(F)" fine-tuning without routing)."""
+import shutil
+
 import torch
 
+from tools import export
 from training.checkpoint import list_checkpoints, load_checkpoint
 from conftest import TINY_MODEL, TINY_TRAIN, assert_one_line_error, run_script, tiny_overrides
 
@@ -57,12 +60,24 @@ def test_init_from_loads_weights_and_refuses_other_shapes(tmp_path):
         assert (from_ema["model"][name] - value).abs().max().item() <= LR * (1 + 1e-5), name
 
     wider = [o for o in TINY_MODEL if "hidden_size" not in o] + ["+model.params.hidden_size=64"]
-    bad = run_script("train.py", f"results_dir={tmp_path}", "run_name=bad", "model=dit", *wider, *TINY_TRAIN,
-                     f"init_from={tmp_path / 'src'}", "train.max_steps=1")
-    assert_one_line_error(bad, "belongs to another model")
-    missing = run_script("train.py", f"results_dir={tmp_path}", "run_name=bad2", *tiny_overrides("dit"),
-                         f"init_from={tmp_path / 'nope'}", "train.max_steps=1")
-    assert_one_line_error(missing, "does not exist")
+    deeper = [o for o in TINY_MODEL if "depth" not in o] + ["+model.params.depth=6"]
+    export.main([str(tmp_path / "src"), "--out", str(tmp_path / "exported")])
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tmp_path / "exported", truncated)
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    for name, overrides, needle in (
+            ("wider", ["model=dit", *wider, *TINY_TRAIN], "the source has hidden_size 32, this config 64 "
+                                                          "(model.params.hidden_size)"),
+            ("deeper", ["model=dit", *deeper, *TINY_TRAIN], "the source has depth 4, this config 6"),
+            ("nope", [*tiny_overrides("dit"), f"init_from={tmp_path / 'nope'}"], "does not exist"),
+            ("opt", [*tiny_overrides("dit"), f"init_from={tmp_path / 'exported'}", "init_from_optimizer=true"],
+             "holds no optimizer state"),
+            ("cut", [*tiny_overrides("dit"), f"init_from={truncated}"], "cannot be read as safetensors")):
+        bad = run_script("train.py", f"results_dir={tmp_path}", f"run_name={name}", f"init_from={tmp_path / 'src'}",
+                         *overrides, "train.max_steps=1")
+        assert_one_line_error(bad, needle)
+        assert not (tmp_path / name).exists(), f"{name}: a refused run leaves no run folder"
 
 
 def test_init_from_onto_a_run_that_would_resume_is_refused_unless_it_began_there(tmp_path):

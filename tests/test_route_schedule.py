@@ -88,8 +88,9 @@ SCHEDULE = ["model.params.routes.0.schedule.kind=linear", "model.params.routes.0
             "train.cpu_threads=1", "train.general.batch_size=4"]
 
 
-def test_resume_under_a_schedule_equals_an_uninterrupted_run(tmp_path):
-    """In this process (three launches of train.py would take a minute): 6 steps straight, and 3 + 3 resumed."""
+def test_resume_under_a_schedule_equals_an_uninterrupted_run(tmp_path, capsys):
+    """In this process (three launches of train.py would take a minute): 6 steps straight, and 3 + 3 resumed.
+    The log names the model as configured and says when routing goes off."""
     def train(name, steps):
         with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
             cfg = compose("config", overrides=[f"results_dir={tmp_path}", f"run_name={name}",
@@ -98,6 +99,10 @@ def test_resume_under_a_schedule_equals_an_uninterrupted_run(tmp_path):
         training_loop(cfg, end_training=False)
 
     train("straight", 6)
+    out = capsys.readouterr().out
+    assert "DiT-D/4 with depth 4, hidden_size 32, num_heads 2 (tread): " in out
+    assert "routes 1->2 at 0.5 (linear schedule), off from step 5 (train.routing_off_after)" in out
+    assert out.count("step 5: routing off from here on (train.routing_off_after=5)") == 1
     train("resumed", 3)
     train("resumed", 6)
     assert_bit_identical(final_state(tmp_path / "straight"), final_state(tmp_path / "resumed"))

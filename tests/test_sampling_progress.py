@@ -1,11 +1,21 @@
 """The sampling progress bar moves per sampler step and per decoded image, not per batch, and changes no
 image."""
+import sys
+
 import numpy as np
+import pytest
 import torch
 from tqdm import tqdm
 
 import generation
 from data.images import latents_to_uint8
+
+
+@pytest.fixture(autouse=True)
+def terminal(monkeypatch, request):
+    """stderr is a terminal (the bar is drawn) unless a test asks for a log file."""
+    if "log_file" not in request.node.name:
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
 
 
 def shown():
@@ -41,8 +51,9 @@ class Decoder:
         return latents_to_uint8(latents)
 
 
-def run(progress, seeds=range(6), batch_size=6):
-    net, decoder = Net(progress), Decoder(progress)
+def run(progress, seeds=range(6), batch_size=6, watch=None):
+    watch = progress if watch is None else watch
+    net, decoder = Net(watch), Decoder(watch)
     images, labels = generation.generate(net, seeds, sampler_kwargs={"name": "euler", "num_steps": 4},
                                          decoder=decoder, batch_size=batch_size, device="cpu",
                                          latent_shape=(1, 2, 2), progress=progress)
@@ -69,3 +80,13 @@ def test_the_count_is_exact_at_each_batch_end():
     starts = [net.seen[i * nfe] for i in range(3)]
     assert starts == [0, 2, 4]  # each batch starts at the images done before it
     assert all(0 <= n < 5 for n in net.seen)
+
+
+def test_in_a_log_file_a_plain_line_at_each_tenth_and_no_bar(capsys):
+    run(progress=True, seeds=range(20), batch_size=2, watch=False)  # 10 batches: a line after each
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert [line.split()[1] for line in lines] == [f"{n}/20" for n in range(2, 21, 2)], err
+    assert all(" img/s  ETA " in line for line in lines) and "\r" not in err and "|" not in err
+    run(progress=False, seeds=range(4), batch_size=2)
+    assert capsys.readouterr().err == ""

@@ -1,4 +1,5 @@
 """train.py end to end: configs, loss falls, exact resume after kill -9, signals, 2 processes, bad input."""
+import json
 import random
 import signal
 import time
@@ -172,6 +173,8 @@ def test_resume_false_moves_the_old_run_aside(tmp_path):
     backups = [p for p in tmp_path.iterdir() if p.name.startswith("again.replaced-")]
     assert len(backups) == 1 and list_checkpoints(backups[0] / "checkpoints")
     assert [r["step"] for r in read_metrics(tmp_path / "again")] == [5, 10]
+    status = {d.name: json.loads((d / "status.json").read_text())["status"] for d in (backups[0], tmp_path / "again")}
+    assert status == {backups[0].name: "completed", "again": "completed"}  # the old run keeps its own status
 
 
 def test_two_processes_log_one_reduced_loss(tmp_path):

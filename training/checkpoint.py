@@ -9,6 +9,7 @@ Wherever a run is accepted (sampling, init_from), a folder written by `python -m
 reads as a checkpoint holding only the EMA weights (training/exported.py; safetensors, nothing unpickled).
 """
 import contextlib
+import inspect
 import os
 import random
 import re
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from dit import get_model
+from dit import DiT, get_model, model_kwargs
 from edm import EDMLoss, EDMPrecond
 from rectified_flow import FlowPrecond, RFLoss
 from training.exported import read_export
@@ -94,16 +95,17 @@ def resolve_checkpoint(path) -> Path:
     raise UserError(f"checkpoint {path} does not exist (give a ckpt_*.pt file, a run directory or an exported model)")
 
 
-def load_checkpoint(path) -> dict:
+def load_checkpoint(path, header_only: bool = False) -> dict:
     """Load with weights_only=True; a truncated or foreign file is refused with one clear line. An exported
-    folder gives its EMA weights as `model` and `ema` (`training.exported.read_export`)."""
+    folder gives its EMA weights as `model` and `ema` (`training.exported.read_export`). `header_only`: the
+    same checks for the config checks before a run starts, without reading the weights (memory-mapped)."""
     path = Path(path)
     if is_exported_folder(path):
-        return read_export(path)
+        return read_export(path, header_only)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=header_only)
     except Exception as e:  # truncated zip, not a torch file, disallowed pickle content...
         raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
                         f"it is truncated or not a checkpoint of this project - move it away to resume from "
@@ -111,6 +113,23 @@ def load_checkpoint(path) -> dict:
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise UserError(f"checkpoint {path} is not a training checkpoint of this project (no model/step entries)")
     return state
+
+
+SHAPE_KEYS = ("depth", "hidden_size", "num_heads", "mlp_ratio", "patch_size", "in_channels", "input_size",
+              "num_classes", "qk_norm", "block_type")  # the model arguments that make the weights what they are
+
+
+def check_same_model(source_model: dict, model: dict, source) -> None:
+    """One line naming the first size in which `source`'s model (its config's `model`) differs from this
+    config's `model`, e.g. "the source has depth 4, this config 12"."""
+    theirs = model_kwargs(source_model["backbone_type"], source_model["params"], where=f"{source}'s model")
+    ours = model_kwargs(model["backbone_type"], model["params"])
+    defaults = {k: p.default for k, p in inspect.signature(DiT.__init__).parameters.items()}
+    for key in SHAPE_KEYS:
+        a, b = theirs.get(key, defaults[key]), ours.get(key, defaults[key])
+        if a != b:
+            raise UserError(f"init_from={source}: the source has {key} {a}, this config {b} "
+                            f"(model.params.{key}); a model starts only from weights of its own sizes")
 
 
 def strip_prefixes(state_dict: dict) -> dict:

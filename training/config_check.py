@@ -84,12 +84,51 @@ def group_given_a_value(cls, key: str, value) -> UserError:
                      f"e.g. {key}.{names[0]}={value}")
 
 
+def scalar_type(tp):
+    """bool, int or float for such a field (Optional or not), else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    tp = args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
+    return tp if tp in (bool, int, float) else None
+
+
+def check_override_types(overrides, root=None):
+    """Hydra's composition converts a command-line 2 into true for a flag: each `key=value` of the command line,
+    as typed there, against its key's type (a flag takes true or false, a count an integer, a number no bool)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    root = root or S.ConfigSchema
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.is_delete() or override.is_sweep_override():
+            continue
+        parent, _, name = override.key_or_group.rpartition(".")
+        cls = schema_at(root, parent)
+        tp = _field_types(cls).get(name) if cls else None
+        value = override.value()
+        if tp is not None and not exact_type(tp, value):
+            raise UserError(f"{override.input_line} must be {TYPE_WORDS[scalar_type(tp)]}"
+                            f"{_doc(root, override.key_or_group)}")
+
+
+def exact_type(tp, value) -> bool:
+    """A flag must be a bool, a count an integer, a number never a bool (a string: Hydra's own check)."""
+    kind = scalar_type(tp)
+    if kind is None or value is None or isinstance(value, str):  # a string: OmegaConf's own check
+        return True
+    if kind is bool:
+        return isinstance(value, bool)
+    return not isinstance(value, bool) and (kind is float or float(value).is_integer())
+
+
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number"}
+
+
 def _walk_lists(cls, data, path: str, root):
     """OmegaConf loses the path of an error inside a list element: check schema lists element by element."""
     if not isinstance(data, dict):
         return
     for name, tp in _field_types(cls).items():
         value, element = data.get(name), list_element(tp)
+
         if dataclasses.is_dataclass(tp):
             if value is not None and not isinstance(value, dict):  # e.g. sampler=euler for sampler.name=euler
                 raise group_given_a_value(tp, f"{path}{name}", value)
@@ -233,6 +272,24 @@ def check_paths(cfg):
         if value and not Path(value).expanduser().exists():
             raise UserError(f"{key}={value} does not exist; give an existing path, or {key}=null")
     check_init_from_resumes(cfg)
+    check_init_from_source(cfg)
+
+
+def check_init_from_source(cfg):
+    """init_from's source read before the run folder exists (its header and config; the weights load later):
+    readable, a model of this config's sizes, and holding an optimizer state if init_from_optimizer asks."""
+    if not cfg.init_from:
+        return
+    from training.checkpoint import check_same_model, load_checkpoint, resolve_checkpoint
+
+    source = resolve_checkpoint(cfg.init_from)
+    state = load_checkpoint(source, header_only=True)
+    if "config" not in state:
+        raise UserError(f"init_from={cfg.init_from}: {source} holds no config (not a checkpoint of this project)")
+    check_same_model(state["config"]["model"], OmegaConf.to_container(cfg.model, resolve=True), source)
+    if cfg.init_from_optimizer and "optimizer" not in state:
+        raise UserError(f"init_from={cfg.init_from} holds no optimizer state (an exported model holds the EMA weights "
+                        f"only); set init_from_optimizer=false, or give the run directory")
 
 
 def check_init_from_resumes(cfg):
@@ -301,8 +358,10 @@ def refuse_missing(merged, schema):
         raise UserError(f"{key} is required{_doc(schema, key)}: set {key}=... on the command line")
 
 
-def check_train_config(cfg, world_size: int = 1):
-    """The whole training config; returns it merged into the schema (types converted, defaults filled)."""
+def check_train_config(cfg, world_size: int = 1, overrides=()):
+    """The whole training config, and the command line's `overrides` as typed; returns the config merged into
+    the schema (types converted, defaults filled)."""
+    check_override_types(overrides)
     data = resolved(cfg)
     merged = conform(S.ConfigSchema, data)
     refuse_missing(merged, S.ConfigSchema)

@@ -16,7 +16,7 @@ import torch
 from data.vae import SD_VAE_SCALE
 from dit import DiT, get_model, model_kwargs
 from tread_utils.errors import UserError
-from tread_utils.hub import CONFIG_NAME, WEIGHTS_NAME, check_matches, read_config, read_weights
+from tread_utils.hub import CONFIG_NAME, WEIGHTS_NAME, check_matches, read_config, read_weights, weight_shapes
 
 FORMAT = "tread-export"
 FORMAT_VERSION = 1
@@ -31,7 +31,7 @@ def tread_section(run_cfg: dict, step: int) -> dict:
     params = run_cfg["model"]["params"]
     kind = dataset.get("kind")
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
+        "format": FORMAT, "format_version": FORMAT_VERSION, "run_name": run_cfg.get("run_name"), "step": int(step),
         "backbone_type": run_cfg["model"]["backbone_type"],
         "diffuser": {"name": "edm", **run_cfg["diffuser"]},
         "dataset": dataset,
@@ -49,10 +49,65 @@ def dit_arguments(run_cfg: dict) -> dict:
     return json.loads(json.dumps({**defaults, **chosen, "grad_checkpointing": False}))  # plain JSON values
 
 
+def model_card(config: dict, parameters: int) -> str:
+    """README.md of an export: what the model is, how it was trained, how to sample and fine-tune it."""
+    tread, routes = config["tread"], config["routes"]
+    data, dataset = tread["data"], tread["dataset"]
+    route_text = "; ".join(f"{r['selection_ratio']} of the tokens skip blocks {r['start_layer_idx']} to "
+                           f"{r['end_layer_idx']}, {r.get('selection', 'random')} selection" for r in routes)
+    trained = (f"with TREAD token routing ({route_text})" if config["enable_routing"] and routes
+               else "without token routing (a plain DiT)")
+    guidance = tread.get("class_drop_prob") or 0
+    return f"""---
+library_name: tread
+tags: [diffusion, tread, dit]
+---
+
+# {tread['backbone_type']} ({tread.get('run_name') or 'exported run'}, step {tread['step']:,})
+
+A class-conditional diffusion transformer ({parameters:,} parameters: depth {config['depth']}, width \
+{config['hidden_size']}, {config['num_heads']} heads, patch size {config['patch_size']}) on \
+{data['shape'][0]} x {data['shape'][1]} x {data['shape'][2]} {dataset.get('kind', 'latent')} inputs with \
+{config['num_classes']} classes, trained for {tread['step']:,} steps {trained}; these are the EMA weights. \
+Diffuser: {tread['diffuser']['name']} (sigma_data {tread['diffuser'].get('sigma_data')}). \
+{'Trained with class dropout ' + str(guidance) + ', so classifier-free guidance applies.' if guidance else
+ 'Trained without class dropout: sample it unguided.'} \
+Routing acts in training only: sampling runs every token through every block.
+
+Made with the TREAD reference implementation ("TREAD: Token Routing for Efficient Architecture-agnostic
+Diffusion Training", https://arxiv.org/abs/2501.04765).
+
+## Sample
+
+`MODEL_DIR` is this folder (from the Hub: `hf download OWNER/NAME --local-dir MODEL_DIR`).
+
+```bash
+python sample.py ckpt=MODEL_DIR num_samples=64 out=samples.npz grid=grid.png
+```
+
+## Load
+
+```python
+from dit import DiT
+model = DiT.from_pretrained("MODEL_DIR")   # the backbone; training.checkpoint.load_sampling_net gives the denoiser
+```
+
+## Fine-tune
+
+```bash
+accelerate launch train.py model=dit init_from=MODEL_DIR run_name=my-fine-tune
+```
+"""
+
+
 def write_export(ema, run_cfg: dict, step: int, out) -> Path:
     """``ema`` (the run's DiT with the EMA weights) -> ``out``/{config.json, model.safetensors, README.md}."""
     out = Path(out)
-    ema.save_pretrained(out, config={**dit_arguments(run_cfg), "tread": tread_section(run_cfg, step)})
+    config = {**dit_arguments(run_cfg), "tread": tread_section(run_cfg, step)}
+    out.mkdir(parents=True, exist_ok=True)
+    card = model_card(config, sum(p.numel() for p in ema.parameters()))
+    (out / "README.md").write_text(card)  # written first: save_pretrained keeps an existing card
+    ema.save_pretrained(out, config=config)
     umask = os.umask(0)
     os.umask(umask)
     for path in out.iterdir():  # safetensors writes its file owner-only; a model to share gets the usual mode
@@ -71,9 +126,10 @@ class ExportedState(dict):
                         f"(start from it with init_from_optimizer=false, or use the run directory)")
 
 
-def read_export(folder) -> ExportedState:
+def read_export(folder, header_only: bool = False) -> ExportedState:
     """An exported folder as a checkpoint-like dict: ``step``, ``config`` (shaped like a run config: model,
-    diffuser, dataset, train.general.class_drop_prob), ``ema`` and ``model`` (the same EMA tensors)."""
+    diffuser, dataset, train.general.class_drop_prob), ``ema`` and ``model`` (the same EMA tensors; with
+    `header_only`, their shapes, read from the file's header: the same checks without loading the weights)."""
     folder = Path(folder)
     config = read_config(folder / CONFIG_NAME)
     tread = config.get("tread")
@@ -82,15 +138,15 @@ def read_export(folder) -> ExportedState:
                         f"exported by this project (python -m tools.export RUN_DIR --out DIR)")
     try:
         params = {k: v for k, v in config.items() if k != "tread"}
-        run_cfg = {"model": {"backbone_type": tread["backbone_type"], "params": params},
+        run_cfg = {"run_name": tread.get("run_name"), "model": {"backbone_type": tread["backbone_type"], "params": params},
                    "diffuser": dict(tread["diffuser"]), "dataset": dict(tread["dataset"]),
                    "train": {"general": {"class_drop_prob": tread.get("class_drop_prob")}}}
         step = int(tread["step"])
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{folder}/{CONFIG_NAME} is incomplete ({e!r}); export the run again") from None
-    tensors = read_weights(folder / WEIGHTS_NAME)
+    tensors = (weight_shapes if header_only else read_weights)(folder / WEIGHTS_NAME)
     with torch.device("meta"):  # names and shapes only: no memory for a second copy of the weights
-        skeleton = get_model(run_cfg["model"]["backbone_type"], params)
+        skeleton = get_model(run_cfg["model"]["backbone_type"], params, where=str(folder / CONFIG_NAME))
     check_matches(skeleton.state_dict(), tensors, folder)
     state = ExportedState(step=step, config=run_cfg, ema=tensors, model=tensors)
     state.source = folder

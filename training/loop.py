@@ -32,7 +32,6 @@ from training.checkpoint import build_denoiser, build_objective
 from training.in_training_eval import TrainingEvaluator
 from training.repa import build_repa, fit_optimizer_state, load_projector
 from training.progress import Progress
-from training.run_dir import prepare_run_dir
 from training.run_log import MetricsLogger, format_metrics, open_run_log, summary_line
 from tread_utils.distributed import set_cpu_threads, start_processes
 from tread_utils.errors import UserError
@@ -145,10 +144,8 @@ def setup(cfg: DictConfig) -> Run:
     accelerator = start(cfg)
     is_main, device = accelerator.is_main_process, accelerator.device
 
-    # Find the checkpoint to resume from.
+    # Find the checkpoint to resume from (train.py has moved an old run aside if resume=false).
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
-    prepare_run_dir(run_dir, cfg.resume, is_main)
-    accelerator.wait_for_everyone()
     found = ckpt.list_checkpoints(run_dir / "checkpoints") if cfg.resume else []
     source = found[-1][1] if found else None
     state = ckpt.load_checkpoint(source) if found else None
@@ -376,6 +373,9 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
     try:
         while step < t.max_steps:
             # Update weights and EMA.
+            if step == t.get("routing_off_after") and run.model.router.routes and accelerator.is_main_process:
+                bar.write(f"step {step}: routing off from here on (train.routing_off_after={step}), every token "
+                          f"through every block")
             update_weights(run, step, model_params, ema_params)
             if cfg.train.compile and run.compiled_at_first_step is None:
                 run.compiled_at_first_step = int(dynamo_counters["frames"]["total"])

@@ -10,12 +10,7 @@ import sys
 
 from tqdm import tqdm
 
-
-def format_duration(seconds: float) -> str:
-    """H:MM:SS."""
-    minutes, secs = divmod(int(round(max(seconds, 0))), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
+from tread_utils.cli import format_duration
 
 
 class Progress:

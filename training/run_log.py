@@ -7,8 +7,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dit import DiT_models
 from training.flops import format_report, routing_flop_report
-from training.progress import format_duration
+from tread_utils.cli import format_duration
 from training.run_dir import drop_redone_records
 
 
@@ -75,6 +76,18 @@ def describe_routes(routes) -> str:
                      + (f" ({r.schedule.kind} schedule)" if r.schedule.kind != "constant" else "") for r in routes)
 
 
+def describe_model(backbone_type: str, model) -> str:
+    """The registry name, with the sizes the config changed, e.g. `DiT-B/2 with depth 4, hidden_size 32`."""
+    built = {"depth": len(model.blocks), "hidden_size": model.pos_embed.shape[-1], "num_heads": model.num_heads,
+             "patch_size": model.patch_size}
+    changed = [f"{k} {v}" for k, v in built.items() if DiT_models[backbone_type].get(k) != v]
+    return backbone_type + (f" with {', '.join(changed)}" if changed else "")
+
+
+def parameter_count(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
 def open_run_log(run, resumed_from) -> MetricsLogger:
     """Main process, for a `training.loop.Run`: the resolved config, metrics.jsonl (cut back to the resumed
     step), a start-up report."""
@@ -84,11 +97,14 @@ def open_run_log(run, resumed_from) -> MetricsLogger:
     drop_redone_records(run.run_dir / "metrics.jsonl", run.step)
     logger = MetricsLogger(run.run_dir, cfg.train.logging.tensorboard, cfg.train.logging.wandb,
                            OmegaConf.to_container(cfg, resolve=True), cfg.run_name)
-    router = run.model.router
+    router, off_after = run.model.router, cfg.train.get("routing_off_after")
     n_params = sum(p.numel() for p in run.model.parameters())
-    print(f"{cfg.model.backbone_type} ({cfg.model.name}): {n_params / 1e6:.2f}M parameters, routes "
-          f"{describe_routes(router.routes) if router.enable_routing else 'off'}, {world} process(es) on "
-          f"{run.accelerator.device}, global batch {cfg.train.general.batch_size}, run dir {run.run_dir}")
+    routes = describe_routes(router.routes) if router.enable_routing else "off"
+    if router.enable_routing and router.routes and off_after is not None:
+        routes += f", off from step {off_after} (train.routing_off_after)"
+    print(f"{describe_model(cfg.model.backbone_type, run.model)} ({cfg.model.name}): {parameter_count(n_params)} "
+          f"parameters, routes {routes}, {world} process(es) on {run.accelerator.device}, global batch "
+          f"{cfg.train.general.batch_size}, run dir {run.run_dir}")
     print(f"resuming from {resumed_from} at step {run.step}" if resumed_from is not None else "starting at step 0")
     if router.routes or run.projector is not None:
         per_rank_batch = cfg.train.general.batch_size // world

@@ -7,6 +7,13 @@ import sys
 from tread_utils.errors import EXIT_USER_ERROR
 
 
+def format_duration(seconds: float) -> str:
+    """H:MM:SS, for the plain progress lines of a log file."""
+    minutes, secs = divmod(int(round(max(seconds, 0))), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
 def _int_at_least(value, minimum: int, what: str) -> int:
     try:
         number = int(value)

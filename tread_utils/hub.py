@@ -79,6 +79,20 @@ def hub_errors_as_user_errors(model_id):
                         f"--local-dir DIR` and pass DIR (an exported model folder: {EXPORT_HINT})") from None
 
 
+def refuse_missing_folder(model_id) -> None:
+    """A name that means a local folder but names none is one line at once, not a Hub download attempt: a path
+    (absolute, ~, ./, ../, or more than one /), or owner/name where `owner` is a local folder."""
+    text = str(model_id)
+    path = Path(text).expanduser()
+    if path.exists():
+        return
+    local = text.startswith(("/", "~", ".")) or text.count("/") != 1 or path.parent.is_dir()
+    if local or "\\" in text:
+        near = sorted(p.name for p in path.parent.iterdir() if p.is_dir())[:8] if path.parent.is_dir() else []
+        raise UserError(f"no such folder: {text}" + (f" ({path.parent} holds: {', '.join(near)})" if near else "")
+                        + f"; give an exported model folder ({EXPORT_HINT}) or a Hub repository id owner/name")
+
+
 def model_file(model_id, filename: str, **hub_kwargs) -> Path:
     """``filename`` of an exported folder, or of a Hub repository (downloaded into the cache, or read from
     it when offline)."""
@@ -116,15 +130,29 @@ def read_weights(path) -> dict:
         raise UserError(f"{path} cannot be read as safetensors ({str(e).splitlines()[0][:160]})") from None
 
 
+def weight_shapes(path) -> dict:
+    """{name: shape} from a .safetensors file's header alone (a truncated file is refused all the same)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read as safetensors ({str(e).splitlines()[0][:160]})") from None
+
+
 def check_matches(own: dict, tensors: dict, source) -> None:
-    """One line naming the first difference unless ``tensors`` has exactly the names and shapes of the state
-    dict ``own`` (else the folder's config describes another model than its weights)."""
+    """One line naming the first difference unless ``tensors`` (tensors, or shapes) has exactly the names and
+    shapes of the state dict ``own`` (else the folder's config describes another model than its weights)."""
+    def shape(value):
+        return tuple(getattr(value, "shape", value))
+
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
-    bad = [k for k in own if k in tensors and tuple(own[k].shape) != tuple(tensors[k].shape)]
+    bad = [k for k in own if k in tensors and shape(own[k]) != shape(tensors[k])]
     if missing or unexpected or bad:
-        detail = (f"{bad[0]} has shape {tuple(tensors[bad[0]].shape)}, the config's model expects "
-                  f"{tuple(own[bad[0]].shape)}" if bad else f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        detail = (f"{bad[0]} has shape {shape(tensors[bad[0]])}, the config's model expects "
+                  f"{shape(own[bad[0]])}" if bad else f"missing {missing[:3]}, unexpected {unexpected[:3]}")
         raise UserError(f"{source}: its {CONFIG_NAME} does not match its {WEIGHTS_NAME} ({detail}); "
                         f"export the run again ({EXPORT_HINT})")
 
