@@ -27,8 +27,8 @@ from evaluations.evaluator import inspect_reference, reference_from_npz, resolve
 from evaluations.features import compute_features, open_images
 from evaluations.inception import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
-from evaluations.reference_check import (check_reference_network, few_samples_warning, network_tag,
-                                          split_tag)
+from evaluations.reference_check import (SIZE_KEY, TAG_KEY, check_image_size, check_reference_network,
+                                          few_samples_warning, network_tag, split_tag)
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.files import atomic_write
@@ -55,8 +55,9 @@ def image_features(source, extractor, batch_size: int, num_images: int | None, p
                             desc="images", keys=("pool", "spatial"))
 
 
-def write_reference(out, feats: dict, tag: str, save_features: bool = False) -> Path:
-    """Write an ADM reference file (mu, sigma, mu_s, sigma_s [+ pool_features]) atomically."""
+def write_reference(out, feats: dict, tag: str, image_size, save_features: bool = False) -> Path:
+    """Write an ADM reference file (mu, sigma, mu_s, sigma_s [+ pool_features]) atomically, with the feature
+    network and the images' [H, W]."""
     out = Path(out)
     if out.suffix != ".npz":
         raise UserError(f"--out {out} must end in .npz")
@@ -64,7 +65,7 @@ def write_reference(out, feats: dict, tag: str, save_features: bool = False) -> 
         raise UserError(f"--out {out} is a folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     mu, sigma = feature_statistics(feats["pool"])
-    arrays = {"mu": mu, "sigma": sigma, "feature_network": np.array(tag)}
+    arrays = {"mu": mu, "sigma": sigma, TAG_KEY: np.array(tag), SIZE_KEY: np.array(image_size[:2])}
     if "spatial" in feats:
         arrays["mu_s"], arrays["sigma_s"] = feature_statistics(feats["spatial"])
     if save_features:
@@ -131,18 +132,19 @@ def main(argv=None):
     if args.num_images is not None and args.num_images < 2:
         raise UserError(f"--num-images must be >= 2, got {args.num_images}")
     tag = network_tag(args.network, args.random_init)
-    open_images(args.images, min_count=args.num_images)  # validate before building a network
+    shape = open_images(args.images, min_count=args.num_images).shape  # validate before building a network
     if args.command == "ref":
         refuse_overwriting_images(Path(args.out), Path(args.images))
     if args.command == "calc":
         inspect_reference(args.ref)
         check_reference_network(args.ref, tag, _same_network)
+        check_image_size(args.ref, shape, "--images")
     extractor = load_network(args.network, args.weights, args.device, args.random_init)
     progress = not args.no_progress
     if args.command == "ref":
         feats = image_features(args.images, extractor, args.batch_size, args.num_images, progress)
         _warn_few(feats["pool"], "reference images")
-        out = write_reference(args.out, feats, tag, args.save_features)
+        out = write_reference(args.out, feats, tag, shape[1:3], args.save_features)
         print(f"wrote {out} ({len(feats['pool'])} images, network {tag})")
         return
     ref = reference_from_npz(args.ref, extractor, args.batch_size, progress)

@@ -45,8 +45,8 @@ import torch
 from evaluations.features import compute_features, npz_images, open_npz
 from evaluations.inception import InceptionV3FID, load_inception
 from evaluations.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
-from evaluations.reference_check import (check_reference_network, few_samples_warning, network_tag,
-                                          split_tag)
+from evaluations.reference_check import (check_image_size, check_reference_network, few_samples_warning,
+                                          network_tag, split_tag)
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.cli import ArgumentParser, positive_int
 
@@ -321,6 +321,7 @@ def main(argv=None):
     check_reference_network(args.ref_batch, network_tag("inception", args.random_init),
                             _same_network)
     samples = inspect_samples(args.sample_batch, args.num_samples)
+    check_image_size(args.ref_batch, samples.shape)
     if args.backend == "tf":
         extractor = load_tf_extractor(args.tf_graph)
         device = None

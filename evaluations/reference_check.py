@@ -12,6 +12,7 @@ import numpy as np
 from tread_utils.errors import UserError
 
 TAG_KEY = "feature_network"
+SIZE_KEY = "image_size"  # [H, W] of the images `fid.py ref` made its statistics from
 RANDOM_SUFFIX = "-random-init"
 
 
@@ -28,6 +29,23 @@ def stored_tag(ref_path):
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"{ref_path} cannot be read as a reference .npz ({reason}); make one with "
                         f"`python fid.py ref --images DIR --out REF.npz`") from None
+
+
+def check_image_size(ref_path, sample_shape, what: str = "samples"):
+    """Refuse samples of another size than the reference's images (its `arr_0`, or the size `fid.py ref`
+    stored): the FID would measure the resize, not the model. A reference that tells no size is not checked."""
+    with np.load(ref_path, allow_pickle=False) as npz:
+        if "arr_0" in npz.files:
+            with npz.zip.open("arr_0.npy") as f:  # the header alone: ADM's batches hold 10,000 images
+                fmt = np.lib.format
+                header = fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0) else fmt.read_array_header_2_0
+                size = tuple(header(f)[0][1:3])
+        else:
+            size = tuple(int(v) for v in npz[SIZE_KEY]) if SIZE_KEY in npz.files else None
+    if size is not None and size != tuple(sample_shape[1:3]):
+        raise UserError(f"{ref_path} is a reference of {size[0]}x{size[1]} images, the {what} are "
+                        f"{sample_shape[1]}x{sample_shape[2]}: the FID would compare sizes, not models; score them "
+                        f"against a reference of their own size (python fid.py ref --images DIR --out REF.npz)")
 
 
 def split_tag(tag: str):

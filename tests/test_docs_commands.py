@@ -42,7 +42,7 @@ FENCE = re.compile(r"^( *)```.*?^\1```", re.M | re.S)
 INLINE = re.compile(r"`([^`]+)`")
 COMMAND_START = ("python ", "accelerate launch", "pip install", "scripts/", "bash scripts/")
 SEPARATORS = {";", "&&", "||", "|", "&"}
-EXTERNAL = {"git", "wget"}  # commands of other tools, named in the docs for context: not checked
+EXTERNAL = {"git", "wget", "tensorboard"}  # commands of other tools, named in the docs for context: not checked
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 LEADING_ASSIGNMENTS = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*=\S*\s+)+")
 SHELL_VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
@@ -166,11 +166,15 @@ def check_simple(words: list):
     name, args = words[0], words[1:]
     if name in EXTERNAL:
         return
+    if name.endswith(".sbatch"):  # the job script named in prose
+        return check_sbatch_script(name)
     if name == "sbatch":
+        if args and args[-1].endswith(".sbatch"):
+            return check_sbatch_script(args[-1])
         wrapped = [a.partition("=")[2] for a in args if a.startswith("--wrap=")] + \
                   [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--wrap"]
         if not wrapped:
-            raise CommandError("sbatch without --wrap: nothing of ours to check")
+            raise CommandError("sbatch without --wrap or a job script: nothing of ours to check")
         return check_shell(wrapped[0], env)
     if name == "pip":
         return check_pip(args)
@@ -208,6 +212,39 @@ def check_script(path: str, env: dict, executable: bool):
     if executable and not script.stat().st_mode & 0o111:
         raise CommandError(f"{path} is not executable (run it with bash, or chmod +x)")
     check_env(env, path)
+
+
+SLURM_STUBS = {  # what a 2-node allocation's commands give; `accelerate` records its arguments instead
+    "scontrol": 'printf "node1\\nnode2\\n"',
+    "srun": 'SLURM_NODEID=1 "$@"',
+    "accelerate": 'printf "%s\\0" "$@" > "$ACCELERATE_ARGS"',
+}
+
+
+def check_sbatch_script(path: str):
+    """A Slurm job script, run by bash as on the second node of a 2-node job (scontrol, srun and accelerate
+    stubbed): the `accelerate launch` it would run is checked like any documented one."""
+    import subprocess
+
+    script = REPO / path
+    if not script.is_file():
+        raise CommandError(f"no job script {path}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, body in SLURM_STUBS.items():
+            stub = Path(tmp) / name
+            stub.write_text(f"#!/bin/bash\n{body}\n")
+            stub.chmod(0o755)
+        record = Path(tmp) / "accelerate_args"
+        env = {"PATH": f"{tmp}:/usr/bin:/bin", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+               "ACCELERATE_ARGS": str(record)}
+        proc = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0 or not record.is_file():
+            raise CommandError(f"{path} did not reach accelerate launch: {proc.stderr.strip()[-300:]}")
+        args = record.read_text().split("\0")[:-1]
+    opts = quiet(launch_command_parser().parse_args, args[1:])
+    if (opts.num_machines, opts.machine_rank, opts.main_process_ip, opts.num_processes) != (2, 1, "node1", 16):
+        raise CommandError(f"{path}: accelerate launch {' '.join(args[1:])} does not join 2 nodes of 8 GPUs")
+    check_accelerate(args, {})
 
 
 def check_pip(args: list):
@@ -452,6 +489,24 @@ def test_blocks_inside_list_items_are_read_and_close_at_their_indentation():
     found = [(c.line, " ".join(c.text.split()), c.inline) for c in doc_commands(REPO / "README.md", text)]
     assert found == [(3, "python train.py model=dit", False), (9, "python fid.py calc", False),
                      (6, "python sample.py ckpt=a", True), (11, "python -m lab.bench", True)]
+
+
+OUTPUT = re.compile(r"(?:--out(?:-dir)?\s+|(?<![\w.])(?:out|grid|results_dir)=)(\S+)")
+
+
+def test_readme_commands_write_nowhere_git_tracks():
+    """What a README command writes inside the checkout is git-ignored (or it goes outside it): running them
+    leaves `git status` clean and no committed file is overwritten."""
+    import subprocess
+
+    written = {m for c in COMMANDS if c.doc == "README.md" for m in OUTPUT.findall(c.text)}
+    assert {"samples.npz", "exported/tread-digits", "finetune_lora_digits.log"} <= written, written
+    for path in sorted(written):
+        if Path(path).is_absolute():
+            assert REPO not in Path(path).parents, path
+            continue
+        ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO).returncode == 0
+        assert ignored, f"a README command writes {path}, which git does not ignore"
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.doc}:{c.line}")

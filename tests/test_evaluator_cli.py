@@ -120,6 +120,10 @@ def _bad_input_cases(tmp_path, batches):
     text.write_text("not a zip file\n")
     cases.append(([str(ref), str(text)], r"not an \.npz"))
     cases.append(([str(tmp_path / "missing.npz"), str(sample)], r"no such file"))
+    cases.append(([str(ref), npz("small.npz", arr_0=_images(5, h=12, w=10))],
+                  r"reference of 24x20 images, the samples are 12x10"))
+    cases.append(([npz("sized_stats.npz", mu=np.zeros(2048), sigma=np.eye(2048), image_size=np.array([64, 64])),
+                   str(sample)], r"reference of 64x64 images, the samples are 24x20"))
     return cases
 
 
@@ -278,6 +282,7 @@ def test_fid_cli_ref_and_calc(tmp_path):
     with np.load(out) as ref:
         assert {"mu", "sigma", "mu_s", "sigma_s", "pool_features"} <= set(ref.files)
         assert ref["mu"].shape == (128,) and ref["sigma"].shape == (128, 128)
+        assert ref["image_size"].tolist() == list(images.shape[1:3])
     proc = _run(["fid.py", "calc", "--images", str(tmp_path / "imgs.npz"), "--ref", str(out), "--network", "digits",
                  "--no-progress"], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -302,6 +307,10 @@ def test_fid_cli_bad_inputs(tmp_path, capsys):
     np.savez(tmp_path / "incep.npz", mu=np.zeros(2048), sigma=np.eye(2048), feature_network=np.array("inception"))
     _expect_user_error(capsys, fid_cli.main, ["calc", "--images", str(tmp_path / "imgs.npz"), "--ref",
                                               str(tmp_path / "incep.npz"), "--network", "digits"], r"--network inception")
+    np.savez(tmp_path / "big.npz", mu=np.zeros(128), sigma=np.eye(128), image_size=np.array([32, 32]))
+    _expect_user_error(capsys, fid_cli.main, ["calc", "--images", str(tmp_path / "imgs.npz"), "--ref",
+                                              str(tmp_path / "big.npz"), "--network", "digits"],
+                       r"reference of 32x32 images, the --images are 16x16")
 
 
 def test_fid_cli_ref_never_writes_over_images(tmp_path, capsys):

@@ -284,6 +284,24 @@ def test_parse_seeds():
             generation.parse_seeds(bad)
 
 
+def test_the_documented_seed_forms_are_values_the_command_line_takes():
+    """The seed forms the configuration reference gives (from the schema) parse on Hydra's command line; a bare
+    comma list would be a sweep."""
+    import dataclasses
+    import re
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from training.config_schema import SampleSchema
+
+    doc = next(f for f in dataclasses.fields(SampleSchema) if f.name == "seeds").metadata["doc"]
+    forms = re.match(r"e\.g\. (.*?) \(", doc).group(1).replace(" or ", ", ").split(", ")
+    parser = OverridesParser.create()
+    assert {tuple(generation.parse_seeds(parser.parse_override(f"seeds={form}").value())) for form in forms} == {
+        tuple(range(50000)), (0, 5, 7), (*range(10), *range(20, 30))}
+    assert parser.parse_override("seeds=0,5,7").is_sweep_override()  # "Ambiguous value" outside a sweep
+
+
 def test_load_sampling_net_uses_the_ema_of_the_newest_checkpoint(trained_run, newest):
     net, cfg = ckpt.load_sampling_net(trained_run)
     state = load_checkpoint(newest)

@@ -279,7 +279,8 @@ class SampleSchema:
     ckpt: str = key("checkpoint file or run directory")
     out: str = key("output .npz")
     num_samples: Optional[int] = key("number of images (default: the number of seeds)")
-    seeds: Any = key("e.g. 0-49999 or 0,5,7 (default: 0..num_samples-1)")
+    seeds: Any = key("e.g. 0-49999, [0,5,7] or '0-9,20-29' (a list in brackets or quotes: Hydra refuses a bare "
+                     "0,5,7); default: 0..num_samples-1")
     batch_size: int = key("per process, >= 1")
     class_labels: Optional[int] = key("null: a random class per seed; an integer: that class for all")
     grid: Optional[str] = key("a PNG grid: one row per class (more than 10 classes: the first grid_images)")
