@@ -68,7 +68,7 @@ def main(cfg: DictConfig):
         check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)),
                            overrides=HydraConfig.get().overrides.task)
         from tread_utils.distributed import check_cuda_processes  # loads torch: only for a valid config
-        check_cuda_processes()
+        check_cuda_processes(mixed_precision=cfg.train.mixed_precision)
     except UserError as e:
         return refuse_job(cfg, str(e), run_dir)
     lock = RunLock(run_dir, cfg.lock_stale_minutes) if int(os.environ.get("RANK", 0)) == 0 else None
@@ -77,6 +77,9 @@ def main(cfg: DictConfig):
             lock.acquire()
         except UserError as e:  # the run is someone else's: nothing of it is touched
             return refuse_job(cfg, str(e))
+        except OSError as e:
+            return refuse_job(cfg, f"cannot create the run folder {run_dir} ({e.strerror or e}); set "
+                                   f"results_dir= to a folder this job can write")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         run(cfg, run_dir, lock)

@@ -6,12 +6,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import sample
-from conftest import REPO, TINY_MODEL, TINY_ROUTE
+from conftest import REPO, TINY_MODEL, TINY_ROUTE, assert_one_line_error, run_script, tiny_overrides
 from lab import bench
 from training import loop
 from training.checkpoint import load_checkpoint
 from training.loop import save_snapshot, setup
-from tread_utils.errors import UserError
 from tread_utils.precision import precision_policy, set_precision_policy
 
 
@@ -53,10 +52,15 @@ def test_train_sample_and_bench_apply_the_same_policy(tmp_path, monkeypatch, tf3
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU accelerate makes the fp16 grad scaler")
 def test_fp16_without_a_gpu_is_refused(tmp_path):
-    """accelerate on a CPU takes mixed_precision=fp16 but neither autocasts nor scales: refused, not fp32."""
-    with pytest.raises(UserError, match="fp16 needs a GPU.*use bf16 or no"):
-        train_setup(tmp_path, True, "train.mixed_precision=fp16")
+    """accelerate on a CPU takes mixed_precision=fp16 but neither autocasts nor scales: refused before the run
+    folder exists, not trained in fp32; so is a results_dir that cannot be created."""
+    proc = run_script("train.py", f"results_dir={tmp_path}", "run_name=p", *tiny_overrides("dit"),
+                      "train.mixed_precision=fp16")
+    assert_one_line_error(proc, "fp16 needs a CUDA GPU", "use bf16 or no")
     assert not (tmp_path / "p").exists()
+    (tmp_path / "file").write_text("not a folder")
+    proc = run_script("train.py", f"results_dir={tmp_path / 'file' / 'results'}", *tiny_overrides("dit"))
+    assert_one_line_error(proc, "cannot create the run folder", "set results_dir=")
 
 
 def test_grad_scaler_state_survives_a_resume(tmp_path, monkeypatch):

@@ -34,10 +34,14 @@ def start_processes(timeout_minutes=DEFAULT_TIMEOUT_MINUTES, **accelerator_kwarg
     return Accelerator(kwargs_handlers=[timeout], **accelerator_kwargs)
 
 
-def check_cuda_processes(local_processes=None):
+def check_cuda_processes(local_processes=None, mixed_precision: str = "no"):
     """On CUDA every process of a node takes its own device (rank r -> cuda:r): refuse more processes per node
     than visible devices, which would otherwise fail later with `invalid device ordinal`. `local_processes`
-    defaults to the launcher's LOCAL_WORLD_SIZE (1 without a launcher)."""
+    defaults to the launcher's LOCAL_WORLD_SIZE (1 without a launcher). fp16 needs CUDA: elsewhere accelerate
+    neither autocasts to float16 nor scales the loss, and the run would silently train in float32."""
+    if mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise UserError("train.mixed_precision=fp16 needs a CUDA GPU: without one accelerate neither autocasts to "
+                        "float16 nor makes a grad scaler, so the run would train in float32; use bf16 or no")
     if local_processes is None:
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
