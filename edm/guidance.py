@@ -28,12 +28,17 @@ import torch
 __all__ = ["ClassifierFreeGuidance", "RoutingGuidance", "PathDropGuidance", "NFECounter", "null_labels"]
 
 
-class _NetWrapper:
+class NetWrapper:
     """Delegates the sampler `net` contract to `self.net` and keeps evaluation counters."""
 
     def __init__(self, net):
         self.net = net
         self.reset_counters()
+
+    @property
+    def denoiser(self):
+        """The denoiser under every wrapper (a guidance wrapper may wrap another)."""
+        return self.net.denoiser if isinstance(self.net, NetWrapper) else self.net
 
     # -- the `net` contract
     @property
@@ -71,7 +76,7 @@ class _NetWrapper:
         return self.net(x, sigma, class_labels, **kwargs)
 
 
-class NFECounter(_NetWrapper):
+class NFECounter(NetWrapper):
     """Transparent wrapper counting forward calls (`num_calls`, = `nfe`) and batch rows (`num_rows`)."""
 
     def forward(self, x, sigma, class_labels=None, **kwargs):
@@ -105,7 +110,7 @@ def _sigma_rows(sigma, batch: int, device) -> torch.Tensor:
     return s
 
 
-class ClassifierFreeGuidance(_NetWrapper):
+class ClassifierFreeGuidance(NetWrapper):
     """Classifier-free guidance: D = D_u + scale (D_c - D_u), over ALL latent channels.
 
     The conditional and unconditional passes run as ONE forward of the doubled batch
@@ -195,7 +200,7 @@ class ClassifierFreeGuidance(_NetWrapper):
         return result
 
 
-class RoutingGuidance(_NetWrapper):
+class RoutingGuidance(NetWrapper):
     """TREAD "sparse guidance": D = D_weak + scale (D_strong - D_weak).
 
     Both terms come from the same network with TREAD routing forced on (``force_routing_ratio=``):
@@ -260,7 +265,7 @@ class RoutingGuidance(_NetWrapper):
         return d_weak + self.scale * (d_strong - d_weak)
 
 
-class PathDropGuidance(_NetWrapper):
+class PathDropGuidance(NetWrapper):
     """SPRINT's path-drop guidance (PDG): D = D_weak + scale (D - D_weak).
 
     D is the plain call; D_weak the same call with ``drop_deep_path=True``: every SPRINT route (fusion:

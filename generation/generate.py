@@ -25,7 +25,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from edm.guidance import ClassifierFreeGuidance, PathDropGuidance, RoutingGuidance
+from edm.guidance import ClassifierFreeGuidance, NetWrapper, PathDropGuidance, RoutingGuidance
 from edm.sampler import SAMPLERS as EDM_SAMPLERS
 from edm.sampler import StackedRandomGenerator, bind_sampler
 from generation.progress import SamplingProgress
@@ -43,10 +43,10 @@ SAMPLERS = {**EDM_SAMPLERS, "flow": flow_sampler}
 # Guidance
 
 def _backbone(net):
-    """The innermost torch module of a (possibly wrapped) sampler net, and its backbone if any."""
-    while not isinstance(net, torch.nn.Module) and hasattr(net, "net"):
-        net = net.net
-    return net, getattr(net, "model", net)
+    """(the denoiser under any guidance wrappers, its backbone: the `model` of EDMPrecond or FlowPrecond, also
+    through torch.compile's wrapper, or the denoiser itself for a bare net)."""
+    denoiser = net.denoiser if isinstance(net, NetWrapper) else net
+    return denoiser, getattr(denoiser, "model", denoiser)
 
 
 ROUTING_GUIDANCE_KEYS = ("scale", "weak_ratio", "strong_ratio")

@@ -219,7 +219,7 @@ def bad_cases(trained_run, newest, tmp_path_factory):
     cases = {
         "missing": ([f"ckpt={root}/nothing.pt"], "does not exist"),
         "garbage": ([f"ckpt={root}/garbage.pt"], "cannot be read"),
-        "truncated": ([f"ckpt={root}/truncated.pt"], "cannot be read"),
+        "truncated": ([f"ckpt={root}/truncated.pt"], "not a checkpoint of this project; pass another checkpoint file"),
         "no_ckpt_in_dir": ([f"ckpt={root}/empty_run"], "no checkpoint"),
         "zero_samples": ([f"ckpt={newest}", "num_samples=0"], "num_samples"),
         "bad_seeds": ([f"ckpt={newest}", "seeds=3-x"], "seeds"),

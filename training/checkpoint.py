@@ -95,10 +95,15 @@ def resolve_checkpoint(path) -> Path:
     raise UserError(f"checkpoint {path} does not exist (give a ckpt_*.pt file, a run directory or an exported model)")
 
 
-def load_checkpoint(path, header_only: bool = False) -> dict:
-    """Load with weights_only=True; a truncated or foreign file is refused with one clear line. An exported
-    folder gives its EMA weights as `model` and `ema` (`training.exported.read_export`). `header_only`: the
-    same checks for the config checks before a run starts, without reading the weights (memory-mapped)."""
+RESUME_ADVICE = "move it away to resume from an earlier one, or start over with resume=false"
+SAMPLING_ADVICE = "pass another checkpoint file or run directory"
+
+
+def load_checkpoint(path, header_only: bool = False, advice: str = RESUME_ADVICE) -> dict:
+    """Load with weights_only=True; a truncated or foreign file is refused with one clear line ending in
+    `advice`. An exported folder gives its EMA weights as `model` and `ema` (`training.exported.read_export`).
+    `header_only`: the same checks for the config checks before a run starts, without reading the weights
+    (memory-mapped)."""
     path = Path(path)
     if is_exported_folder(path):
         return read_export(path, header_only)
@@ -108,8 +113,7 @@ def load_checkpoint(path, header_only: bool = False) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=header_only)
     except Exception as e:  # truncated zip, not a torch file, disallowed pickle content...
         raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                        f"it is truncated or not a checkpoint of this project - move it away to resume from "
-                        f"an earlier one, or start over with resume=false") from None
+                        f"it is truncated or not a checkpoint of this project; {advice}") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise UserError(f"checkpoint {path} is not a training checkpoint of this project (no model/step entries)")
     return state
@@ -235,11 +239,4 @@ def load_sampling_net(ckpt_path, device="cpu"):
 
 def read_checkpoint(path) -> dict:
     """`load_checkpoint`, with advice for sampling rather than for resuming a run."""
-    try:
-        return load_checkpoint(path)
-    except UserError as e:
-        message = str(e)
-        cut = message.find(" - move it away")
-        if cut < 0:
-            raise
-        raise UserError(message[:cut] + "; pass another checkpoint file or run directory") from None
+    return load_checkpoint(path, advice=SAMPLING_ADVICE)
