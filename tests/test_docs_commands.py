@@ -436,12 +436,14 @@ def local_stand_ins(cfg, root: Path) -> list:
 
 @functools.lru_cache(maxsize=None)
 @mock.patch("training.eval_inputs.check_eval_inputs", lambda cfg: None)  # the VAE, Inception weights and
-def train_job(job: tuple, processes: int):  # reference are the running machine's (tests/test_imagenet_offline.py)
+# reference are the running machine's (tests/test_imagenet_offline.py); so is init_from's run (test_init_from.py)
+@mock.patch("training.config_check.check_init_from_source", lambda cfg: None)
+def train_job(job: tuple, processes: int):
     """One job as train.py's main gets it: composed, without the hydra node, through the config check."""
     composed = compose_checked("config", job)
     cfg = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
     try:
-        check_train_config(cfg, world_size=processes)
+        check_train_config(cfg, world_size=processes, overrides=job)
     except UserError as e:
         with tempfile.TemporaryDirectory() as root:
             cluster = local_stand_ins(cfg, Path(root))
