@@ -1,20 +1,20 @@
 """What TREAD needs to know about each diffusers transformer family (backbones/diffusers_tread.py routes them).
 
-For every family: the block lists in route order, whether one selection is shared by the batch, where a
-block's output holds the image tokens, how a block's other per-token inputs (RoPE tables, per-token
-timestep embeddings) are cut to the kept tokens, and the token grid of the image (for masks).
+For every family: the block lists in route order, where a block's output holds the image tokens, how a
+block's other per-token inputs (RoPE tables, per-token timestep embeddings) are cut to the kept tokens, and the
+token grid of the image (for masks). Every family selects its kept tokens per sample.
 
-Text tokens are never routed: the routed tensor is always the block's `hidden_states`, which in these four
-families holds image (or video) tokens only; text travels in `encoder_hidden_states`.
+Text tokens are never routed: the routed tensor is the image (or video) part of a block's `hidden_states`;
+text travels in `encoder_hidden_states`, or before the image in the single-stream blocks' `hidden_states`.
 
-- PixArt (`transformer_blocks`): cross-attention to text, no RoPE. Selection per sample.
-- SD3 (`transformer_blocks`): joint attention; the text stream passes every block whole. Per sample.
+- PixArt (`transformer_blocks`): cross-attention to text, no RoPE.
+- SD3 (`transformer_blocks`): joint attention; the text stream passes every block whole.
 - FLUX (`transformer_blocks`, then `single_transformer_blocks`): route indices number the dual-stream blocks
   0..D-1 and the single-stream blocks D..D+S-1 (negative indices count from the last single-stream block).
-  Its RoPE table `(cos, sin)` is [T + N, head_dim], text rows first, shared by the batch, and diffusers'
-  attention applies it without a batch dimension; so one selection is shared by the batch and the table
-  passed to a routed block is the text rows followed by the kept image tokens' rows, each token keeping
-  its own angles.
+  Its RoPE table `(cos, sin)` is [T + N, head_dim], text rows first, without a batch dimension. A routed block
+  gets, per sample, the text rows followed by that sample's kept image rows, [B, T + K, head_dim], wrapped in
+  `SampleRope` so that diffusers' `apply_rotary_emb` broadcasts it as [B, T + K, 1, head_dim]: each kept token
+  keeps its own angles.
 - AuraFlow (`joint_transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): no RoPE (learned
   positions added at the input); per sample. Its single-stream blocks take [register tokens, text, image] as one
   `hidden_states`: only the image part (after the leading register and text tokens) is routed there.
@@ -35,14 +35,41 @@ def _rows(keep: torch.Tensor) -> torch.Tensor:
     return torch.arange(keep.shape[0], device=keep.device)[:, None]
 
 
-def _flux_narrow(kw: dict, keep: torch.Tensor) -> None:
-    """The RoPE rows of the text tokens, then those of the kept image tokens (batch-shared selection)."""
+class SampleRope:
+    """Each sample's own RoPE rows [B, S, head_dim], answering the indexing by which diffusers' apply_rotary_emb
+    broadcasts a batch-shared [S, head_dim] table over [B, S, heads, head_dim] (or [B, heads, S, head_dim])."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def __getitem__(self, index):
+        if index == (None, slice(None), None, slice(None)):  # sequence_dim=1: [B, S, 1, head_dim]
+            return self.table[:, :, None]
+        if index == (None, None, slice(None), slice(None)):  # sequence_dim=2: [B, 1, S, head_dim]
+            return self.table[:, None]
+        raise TypeError(f"a per-sample RoPE table of a routed block was indexed by {index!r}, which TREAD does "
+                        f"not know how to serve; call handle.remove() and report the diffusers version")
+
+
+def _text_then_kept(table: torch.Tensor, text: int, keep: torch.Tensor) -> SampleRope:
+    """Per sample: a [text + N, head_dim] table's text rows, then the rows of that sample's kept image tokens."""
+    rows = torch.cat([torch.arange(text, device=keep.device).expand(keep.shape[0], -1), text + keep], 1)
+    return SampleRope(table[rows.to(table.device)])
+
+
+def _joint_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """FLUX, FLUX.2, Chroma: the joint sequence is [text, image]. Its batch-shared RoPE (cos, sin) [T + N, head_dim]
+    becomes each sample's text rows and kept image rows; Chroma's attention mask [B, T + N] is cut the same way."""
+    if kw.get("encoder_hidden_states") is not None:
+        text = kw["encoder_hidden_states"].shape[1]
+    else:  # FLUX.2 and Chroma single-stream blocks: the text leads the (already cut) hidden_states
+        text = kw["hidden_states"].shape[1] - keep.shape[1]
     rope = kw.get("image_rotary_emb")
-    if rope is None:
-        return
-    text = kw["encoder_hidden_states"].shape[1]
-    rows = torch.cat([torch.arange(text, device=keep.device), text + keep[0]])
-    kw["image_rotary_emb"] = tuple(table.index_select(0, rows.to(table.device)) for table in rope)
+    if rope is not None:
+        kw["image_rotary_emb"] = tuple(_text_then_kept(table, text, keep) for table in rope)
+    mask = kw.get("attention_mask")
+    if mask is not None:
+        kw["attention_mask"] = torch.cat([mask[:, :text], mask[:, text:].gather(1, keep.to(mask.device))], 1)
     if (kw.get("joint_attention_kwargs") or {}).get("attention_mask") is not None:
         raise UserError("TREAD cannot route a FLUX forward given an attention_mask in joint_attention_kwargs; "
                         "pass no attention mask while training with routes")
@@ -95,10 +122,14 @@ def _auraflow_lead(transformer, kw: dict) -> dict:
     return {"single_transformer_blocks": transformer.register_tokens.shape[1] + kw["encoder_hidden_states"].shape[1]}
 
 
+def _text_lead(transformer, kw: dict) -> dict:
+    """FLUX.2's and Chroma's single-stream blocks get [text, image] in one tensor."""
+    return {"single_transformer_blocks": kw["encoder_hidden_states"].shape[1]}
+
+
 @dataclass(frozen=True)
 class Family:
     block_lists: Tuple[str, ...]   # the transformer's block lists, in route-index order
-    shared: bool                   # one selection for the whole batch (RoPE table without a batch dimension)
     out_index: Optional[int]       # where a block's output tuple holds the image tokens (None: it is them)
     narrow: Callable               # (block kwargs, keep [B, K]) -> None: other per-token inputs, cut in place
     grid: Callable                 # (transformer, forward kwargs) -> the image's token grid
@@ -115,15 +146,20 @@ class Family:
         return tuple(image if i == self.out_index else part for i, part in enumerate(output))
 
 
+FLUX_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # dual-stream, then single-stream
+FLUX_CONTROLNET = ("controlnet_block_samples", "controlnet_single_block_samples")
 FAMILIES = {
-    "PixArtTransformer2DModel": Family(("transformer_blocks",), False, None, _pixart_narrow,
+    "PixArtTransformer2DModel": Family(("transformer_blocks",), None, _pixart_narrow,
                                        _latent_grid("patch_size", 2)),
-    "SD3Transformer2DModel": Family(("transformer_blocks",), False, 1, _no_narrow, _latent_grid("patch_size", 2),
+    "SD3Transformer2DModel": Family(("transformer_blocks",), 1, _no_narrow, _latent_grid("patch_size", 2),
                                     ("block_controlnet_hidden_states", "skip_layers")),
-    "FluxTransformer2DModel": Family(("transformer_blocks", "single_transformer_blocks"), True, 1, _flux_narrow,
-                                     _flux_grid, ("controlnet_block_samples", "controlnet_single_block_samples")),
-    "WanTransformer3DModel": Family(("blocks",), False, None, _wan_narrow, _latent_grid("patch_size", 3)),
-    "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), False, 1,
+    "FluxTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET),
+    "Flux2Transformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, ("kv_cache", "kv_cache_mode"),
+                                      lead=_text_lead, tensor_lists=("single_transformer_blocks",)),
+    "ChromaTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, lead=_text_lead,
+                                       tensor_lists=("single_transformer_blocks",)),
+    "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, _latent_grid("patch_size", 3)),
+    "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), 1,
                                          _no_narrow, _latent_grid("patch_size", 2), lead=_auraflow_lead,
                                          tensor_lists=("single_transformer_blocks",)),
 }

@@ -9,7 +9,7 @@
 takes a subset of the image tokens out before block `start_layer_idx` and puts them back, unchanged, after
 block `end_layer_idx` (inclusive); negative indices count from the last block (-1 = the last). The routes are
 checked by `routing_module.resolve_routes`, the validation of `model.params.routes`, against the number of
-blocks (for FLUX and AuraFlow, both block lists: backbones/diffusers_families.py says how they are numbered).
+blocks (for two-list families, both lists: backbones/diffusers_families.py says how they are numbered).
 
 The kept tokens are chosen by `routing_module.select_kept_tokens` (a rule of `routing_module.SELECTIONS`),
 with the mask (below) as its `force_keep`; routing runs only while the transformer is in training mode and
@@ -176,14 +176,7 @@ class TreadHandle:
         if force_keep is not None and force_keep.shape != x.shape[:2]:
             raise UserError(f"the TREAD mask gives {tuple(force_keep.shape)} token flags for image tokens of shape "
                             f"{tuple(x.shape[:2])}; give one mask per sample over this image")
-        if not self.family.shared:
-            return select_kept_tokens(x, route.selection_ratio, None, route.selection, force_keep,
-                                      **dict(route.options))
-        scores = x.detach().abs().mean(0, keepdim=True)  # importance: the batch's mean L1 norm per token
-        keep = select_kept_tokens(scores, route.selection_ratio, None, route.selection,
-                                  None if force_keep is None else force_keep.any(0, keepdim=True),
-                                  **dict(route.options))
-        return keep.expand(x.shape[0], -1)
+        return select_kept_tokens(x, route.selection_ratio, None, route.selection, force_keep, **dict(route.options))
 
     def _lead_of(self, kind: str, record: Optional[dict]) -> int:
         """Text tokens before the image in this block's hidden_states; a recomputation reads its forward's."""
@@ -268,7 +261,8 @@ def _replaying(checkpoint_func):
 
 
 def apply_tread(transformer, routes, *, selection: str = "random", **options) -> TreadHandle:
-    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, Wan or AuraFlow transformer; returns the handle.
+    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Wan or AuraFlow transformer; returns
+    the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none."""
     check_diffusers_version()
     family = family_of(transformer)
