@@ -15,6 +15,17 @@ text travels in `encoder_hidden_states`, or before the image in the single-strea
   gets, per sample, the text rows followed by that sample's kept image rows, [B, T + K, head_dim], wrapped in
   `SampleRope` so that diffusers' `apply_rotary_emb` broadcasts it as [B, T + K, 1, head_dim]: each kept token
   keeps its own angles.
+- FLUX.2 and Chroma (`transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): the same joint
+  RoPE table, cut the same way; their single-stream blocks take [text, image] as one `hidden_states`, where
+  only the image part is routed. Chroma's attention mask [B, T + N] is cut like the table. FLUX.2's KV-cache
+  modes (reference tokens modulated apart) are refused.
+- Qwen-Image (`transformer_blocks`): dual-stream, the text in `encoder_hidden_states` (its mask is joined with
+  the image inside the attention, so it fits any cut). `hidden_states` is the target image's tokens followed,
+  in the edit models, by reference images' tokens (`img_shapes` per sample: the target's (frames, rows,
+  columns), then the references'); only the target's are routed, the references pass every block whole. The
+  image RoPE is complex, [N + R, head_dim / 2] without a batch dimension, and the text has its own table: a
+  routed block gets each sample's kept target rows followed by every reference row (`SampleRope`). The edit
+  model's per-token modulation index (`zero_cond_t`: target 0, reference 1) is gathered with the tokens.
 - AuraFlow (`joint_transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): no RoPE (learned
   positions added at the input); per sample. Its single-stream blocks take [register tokens, text, image] as one
   `hidden_states`: only the image part (after the leading register and text tokens) is routed there.
@@ -37,10 +48,17 @@ def _rows(keep: torch.Tensor) -> torch.Tensor:
 
 class SampleRope:
     """Each sample's own RoPE rows [B, S, head_dim], answering the indexing by which diffusers' apply_rotary_emb
-    broadcasts a batch-shared [S, head_dim] table over [B, S, heads, head_dim] (or [B, heads, S, head_dim])."""
+    broadcasts a batch-shared [S, head_dim] table over [B, S, heads, head_dim] (or [B, heads, S, head_dim]), and
+    the `unsqueeze(1)` by which Qwen-Image's broadcasts its complex [S, head_dim / 2] table over [B, S, heads, .]."""
 
     def __init__(self, table: torch.Tensor):
         self.table = table
+
+    def unsqueeze(self, dim: int) -> torch.Tensor:
+        if dim != 1:
+            raise TypeError(f"a per-sample RoPE table of a routed block was unsqueezed at {dim}, which TREAD does "
+                            f"not know how to serve; call handle.remove() and report the diffusers version")
+        return self.table[:, :, None]
 
     def __getitem__(self, index):
         if index == (None, slice(None), None, slice(None)):  # sequence_dim=1: [B, S, 1, head_dim]
@@ -73,6 +91,21 @@ def _joint_narrow(kw: dict, keep: torch.Tensor) -> None:
     if (kw.get("joint_attention_kwargs") or {}).get("attention_mask") is not None:
         raise UserError("TREAD cannot route a FLUX forward given an attention_mask in joint_attention_kwargs; "
                         "pass no attention mask while training with routes")
+
+
+def _qwen_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """Qwen-Image: the image RoPE (complex [N + R, head_dim / 2]: the target's rows, then the reference images')
+    as each sample's kept target rows followed by every reference row; the edit model's per-token modulation
+    index [B, N + R] likewise. The text keeps its own table."""
+    refs = kw["hidden_states"].shape[1] - keep.shape[1]
+    if kw.get("image_rotary_emb") is not None:
+        image, text = kw["image_rotary_emb"]
+        n = image.shape[0] - refs
+        references = torch.arange(n, n + refs, device=image.device).expand(len(keep), -1)
+        kw["image_rotary_emb"] = (SampleRope(image[torch.cat([keep.to(image.device), references], 1)]), text)
+    index = kw.get("modulate_index")
+    if index is not None:
+        kw["modulate_index"] = torch.cat([index.gather(1, keep.to(index.device)), index[:, index.shape[1] - refs:]], 1)
 
 
 def _wan_narrow(kw: dict, keep: torch.Tensor) -> None:
@@ -113,8 +146,35 @@ def _flux_grid(transformer, kw: dict) -> Tuple[int, ...]:
     return (int(ids[:, 1].unique().numel()), int(ids[:, 2].unique().numel()))
 
 
+def _qwen_target(kw: dict) -> tuple:
+    """The target image's (frames, rows, columns) in Qwen-Image's img_shapes: a shape, a list of them (one per
+    sample), or per sample a list whose first shape is the target and the rest reference images."""
+    shapes = kw.get("img_shapes")
+    while isinstance(shapes, list) and shapes:
+        shapes = shapes[0]
+    if not (isinstance(shapes, tuple) and len(shapes) == 3):
+        raise UserError(f"TREAD reads Qwen-Image's target image from img_shapes, as (frames, height, width) per "
+                        f"sample; got {kw.get('img_shapes')!r}")
+    return shapes
+
+
+def _qwen_grid(transformer, kw: dict) -> Tuple[int, ...]:
+    frames, rows, columns = _qwen_target(kw)
+    return (rows, columns) if frames == 1 else (frames, rows, columns)
+
+
+def _qwen_tail(transformer, kw: dict) -> int:
+    """Qwen-Image-Edit's reference-image tokens follow the target's in hidden_states; they are never routed."""
+    frames, rows, columns = _qwen_target(kw)
+    return kw["hidden_states"].shape[1] - frames * rows * columns
+
+
 def _no_lead(transformer, kw: dict) -> dict:
     return {}
+
+
+def _no_tail(transformer, kw: dict) -> int:
+    return 0
 
 
 def _auraflow_lead(transformer, kw: dict) -> dict:
@@ -136,6 +196,7 @@ class Family:
     refused: Tuple[str, ...] = ()  # forward arguments that add per-block residuals of the full length
     lead: Callable = _no_lead      # (transformer, forward kwargs) -> {block list: text tokens before the image}
     tensor_lists: Tuple[str, ...] = ()  # block lists whose output is the tensor itself, whatever out_index says
+    tail: Callable = _no_tail      # (transformer, forward kwargs) -> conditioning tokens after the image
 
     def image(self, output, kind: str):
         return output if self.out_index is None or kind in self.tensor_lists else output[self.out_index]
@@ -158,6 +219,8 @@ FAMILIES = {
                                       lead=_text_lead, tensor_lists=("single_transformer_blocks",)),
     "ChromaTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, lead=_text_lead,
                                        tensor_lists=("single_transformer_blocks",)),
+    "QwenImageTransformer2DModel": Family(("transformer_blocks",), 1, _qwen_narrow, _qwen_grid,
+                                          ("controlnet_block_samples",), tail=_qwen_tail),
     "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, _latent_grid("patch_size", 3)),
     "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), 1,
                                          _no_narrow, _latent_grid("patch_size", 2), lead=_auraflow_lead,

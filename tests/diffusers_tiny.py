@@ -56,6 +56,23 @@ def chroma(layers=2, single_layers=2):
     return model, inputs, (h, w)
 
 
+def qwen(references=False):
+    """Qwen-Image; with `references`, the edit model (zero_cond_t), a reference image's tokens after the target's."""
+    from diffusers import QwenImageTransformer2DModel
+
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3,
+                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                        axes_dims_rope=(2, 2, 4),
+                                        zero_cond_t=references)
+    h, w = 4, 6
+    shapes = [(1, h, w), (1, 2, 3)] if references else [(1, h, w)]
+    tokens = sum(f * r * c for f, r, c in shapes)
+    inputs = dict(hidden_states=torch.randn(B, tokens, 16), encoder_hidden_states=torch.randn(B, 5, 16),
+                  encoder_hidden_states_mask=torch.ones(B, 5), timestep=torch.rand(B), img_shapes=[shapes] * B,
+                  return_dict=False)
+    return model, inputs, (h, w)
+
+
 def sd3():
     from diffusers import SD3Transformer2DModel
 
@@ -101,10 +118,11 @@ def auraflow():
     return model, inputs, (4, 4)
 
 
-FAMILIES = {"flux": flux, "flux2": flux2, "chroma": chroma, "sd3": sd3, "pixart": pixart, "wan": wan,
-            "auraflow": auraflow}
+FAMILIES = {"flux": flux, "flux2": flux2, "chroma": chroma, "qwen": qwen, "qwen_edit": lambda: qwen(True), "sd3": sd3,
+            "pixart": pixart, "wan": wan, "auraflow": auraflow}
 FLUX_BLOCKS = ("transformer_blocks", "single_transformer_blocks")
-BLOCK_LISTS = {"flux": FLUX_BLOCKS, "flux2": FLUX_BLOCKS, "chroma": FLUX_BLOCKS, "sd3": ("transformer_blocks",),
+BLOCK_LISTS = {"flux": FLUX_BLOCKS, "flux2": FLUX_BLOCKS, "chroma": FLUX_BLOCKS, "qwen": ("transformer_blocks",),
+               "qwen_edit": ("transformer_blocks",), "sd3": ("transformer_blocks",),
                "pixart": ("transformer_blocks",), "wan": ("blocks",),
                "auraflow": ("joint_transformer_blocks", "single_transformer_blocks")}
 
@@ -118,8 +136,8 @@ def blocks_of(name, model):
     return [block for attr in BLOCK_LISTS[name] for block in getattr(model, attr)]
 
 
-PACKED = ("flux", "flux2", "chroma")  # inputs already tokens [B, N, C]; RoPE over the joint [text, image] sequence
-ROPE_KEYS = {"flux": "image_rotary_emb", "flux2": "image_rotary_emb", "chroma": "image_rotary_emb", "wan": "rotary_emb"}
+PACKED = ("flux", "flux2", "chroma", "qwen", "qwen_edit")  # inputs already tokens [B, N, C]
+JOINT_ROPE = ("flux", "flux2", "chroma")  # one RoPE table over the joint [text, image] sequence
 
 
 def bound(module, args, kwargs) -> dict:
@@ -143,11 +161,22 @@ class HandRope:
         assert index == (None, slice(None), None, slice(None)), index
         return self.table.unsqueeze(2)
 
+    def unsqueeze(self, dim):  # Qwen-Image's complex table, [B, S, head_dim / 2] as [B, S, 1, head_dim / 2]
+        assert dim == 1
+        return self.table.unsqueeze(2)
 
-def narrow_by_hand(name, kw, keep, lead):
+
+def narrow_by_hand(name, kw, keep, lead, tail):
     """A routed block's other per-token inputs, written out sample by sample."""
     per_sample = lambda f: torch.stack([f(b) for b in range(keep.shape[0])])  # noqa: E731
-    if name in PACKED:  # the joint sequence's rows: the text, then the kept image tokens
+    if name.startswith("qwen"):  # the target's kept rows, then every reference row (the text's table whole)
+        image, text = kw["image_rotary_emb"]
+        n = image.shape[0] - tail
+        kw["image_rotary_emb"] = (HandRope(per_sample(lambda b: torch.cat([image[keep[b]], image[n:]]))), text)
+        if kw.get("modulate_index") is not None:  # the edit model's per-token modulation: target 0, reference 1
+            index = kw["modulate_index"]
+            kw["modulate_index"] = per_sample(lambda b: torch.cat([index[b, keep[b]], index[b, n:]]))
+    if name in JOINT_ROPE:  # the joint sequence's rows: the text, then the kept image tokens
         text = kw["encoder_hidden_states"].shape[1] if kw.get("encoder_hidden_states") is not None else lead
         kw["image_rotary_emb"] = tuple(HandRope(per_sample(lambda b: torch.cat([t[:text], t[text:][keep[b]]])))
                                        for t in kw["image_rotary_emb"])
@@ -160,10 +189,11 @@ def narrow_by_hand(name, kw, keep, lead):
             kw["temb"] = per_sample(lambda b: kw["temb"][b, keep[b]])
 
 
-def reference_forward(name, model, inputs, keep, start, end):
-    """Run the blocks from `start` by hand: gather the kept image tokens (and their per-token inputs) before
-    `start`, scatter them back after `end`; returns the last block's output tokens (text first where the
-    single-stream blocks carry it). The other inputs of each block come from an unrouted pass."""
+def reference_forward(name, model, inputs, keep, start, end, n):
+    """Run the blocks from `start` by hand: gather the kept image tokens (of `n`) and their per-token inputs
+    before `start`, scatter them back after `end`; returns the last block's output tokens (text first where the
+    single-stream blocks carry it; reference-image tokens after the target). The other inputs of each block
+    come from an unrouted pass."""
     blocks = blocks_of(name, model)
     captured = [capture_inputs(block) for block in blocks]
     with torch.no_grad():
@@ -171,21 +201,22 @@ def reference_forward(name, model, inputs, keep, start, end):
     for _, handle in captured:
         handle.remove()
     seen = [dict(s) for s, _ in captured]
-    n = seen[0]["hidden_states"].shape[1]  # image tokens: the first block holds them alone
+    tail = seen[0]["hidden_states"].shape[1] - n  # the first block holds the image and its references alone
     rows = torch.arange(keep.shape[0])[:, None]
-    lead = seen[start]["hidden_states"].shape[1] - n
-    x_full = seen[start]["hidden_states"][:, lead:]
-    x = torch.cat([seen[start]["hidden_states"][:, :lead], x_full[rows, keep]], 1)
+    lead = seen[start]["hidden_states"].shape[1] - n - tail
+    x = seen[start]["hidden_states"]
+    x_full = x[:, lead:lead + n]
+    x = torch.cat([x[:, :lead], x_full[rows, keep], x[:, lead + n:]], 1)
     text = seen[start].get("encoder_hidden_states")
     for i in range(start, len(blocks)):
         kw = dict(seen[i])
-        if kw["hidden_states"].shape[1] > n and not lead:  # the model joins text and image for single-stream blocks
-            x, lead = torch.cat([text, x], 1), kw["hidden_states"].shape[1] - n
+        if kw["hidden_states"].shape[1] > n + tail and not lead:  # text and image joined for single-stream blocks
+            x, lead = torch.cat([text, x], 1), kw["hidden_states"].shape[1] - n - tail
         kw["hidden_states"] = x
         if kw.get("encoder_hidden_states") is not None:
             kw["encoder_hidden_states"] = text
         if start <= i <= end:
-            narrow_by_hand(name, kw, keep, lead)
+            narrow_by_hand(name, kw, keep, lead, tail)
         out = blocks[i](**kw)
         if isinstance(out, tuple):
             text = text if out[0] is None else out[0]
@@ -193,6 +224,6 @@ def reference_forward(name, model, inputs, keep, start, end):
         x = out
         if i == end:
             full = x_full.clone()
-            full[rows, keep] = x[:, lead:]
-            x = torch.cat([x[:, :lead], full], 1)
+            full[rows, keep] = x[:, lead:lead + keep.shape[1]]
+            x = torch.cat([x[:, :lead], full, x[:, lead + keep.shape[1]:]], 1)
     return x

@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
-from diffusers_tiny import B, PACKED, ROPE_KEYS, blocks_of, bound, build, reference_forward  # noqa: E402
+from diffusers_tiny import B, JOINT_ROPE, PACKED, blocks_of, bound, build, reference_forward  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "flux2", "chroma", "sd3", "pixart", "wan", "auraflow")
+FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "auraflow")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
@@ -77,13 +77,14 @@ def test_routed_forward_matches_hand_built_reference(name, variant):
     spec = route["routes"][0]
     assert (start, end) == (spec["start_layer_idx"] % len(blocks), spec["end_layer_idx"] % len(blocks))
     assert keep.shape == (B, n // 2) and not torch.equal(keep[0], keep[1])  # each sample its own tokens
+    assert keep.max() < n  # of the target image: reference-image tokens (Qwen-Image-Edit) are never routed
     model.eval()
     with torch.no_grad():
-        ref = reference_forward(name, model, inputs, keep, start, end)
+        ref = reference_forward(name, model, inputs, keep, start, end, n)
         torch.testing.assert_close(last["x"], ref, rtol=1e-5, atol=1e-5)
         # the unrouted last block differs: the check can tell routed from unrouted
         every = torch.arange(n).expand(B, -1)
-        assert not torch.allclose(reference_forward(name, model, inputs, every, start, end), ref, atol=1e-4)
+        assert not torch.allclose(reference_forward(name, model, inputs, every, start, end, n), ref, atol=1e-4)
 
 
 def rope_tables_seen(name, model):
@@ -100,14 +101,22 @@ def rope_tables_seen(name, model):
 
 def angles_match(name, table, full, keep, text):
     """Each kept token's rotary angles in a routed block equal those of its original position."""
-    if name in PACKED:  # the routed block's table is per sample: [B, text + K, 1, head_dim]
+    if name in JOINT_ROPE:  # the routed block's table is per sample: [B, text + K, 1, head_dim]
         table = table[None, :, None, :]
         return all(torch.equal(table[b, :text, 0], full[:text])
                    and torch.equal(table[b, text:, 0], full[text:][keep[b]]) for b in range(keep.shape[0]))
+    if name.startswith("qwen"):  # complex [B, K + R, 1, head_dim / 2]: kept target rows, then the references'
+        if isinstance(table, torch.Tensor):  # the text's table passes whole
+            return torch.equal(table, full)
+        table, k = table.unsqueeze(1)[:, :, 0], keep.shape[1]
+        n = full.shape[0] - (table.shape[1] - k)
+        return all(torch.equal(table[b, :k], full[keep[b]]) and torch.equal(table[b, k:], full[n:])
+                   for b in range(keep.shape[0]))
     return all(torch.equal(table[b, :, 0], full[0, keep[b], 0]) for b in range(keep.shape[0]))
 
 
-@pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("wan", 1), ("wan", 3)])
+@pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
+                                         ("qwen_edit", None), ("wan", 1), ("wan", 3)])
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
@@ -141,14 +150,19 @@ def input_grads(name, model, inputs):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_token_and_parameter_gets_a_gradient(name):
     model, inputs, _ = build(name)
-    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.7, "start_layer_idx": 0, "end_layer_idx": -1}]})
     model.train()
+    input_grads(name, model, inputs)
+    # Qwen-Image's last block computes a text stream the model never reads: no gradient, routed or not
+    unrouted = {n for n, p in model.named_parameters() if p.grad is None}
+    assert not unrouted or name.startswith("qwen") and all(n.startswith("transformer_blocks.2.") for n in unrouted)
+    model.zero_grad(set_to_none=True)
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.7, "start_layer_idx": 0, "end_layer_idx": -1}]})
     grad = input_grads(name, model, inputs)
     per_position = grad.abs().sum(-1 if name in PACKED else 1)  # per token (FLUX) or per latent pixel
     assert (per_position > 0).all()
     assert handle.last_keep[0].shape[1] < per_position.flatten(1).shape[1]  # tokens were dropped
-    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not unused, f"parameters without a gradient (DDP would stop): {unused}"
+    unused = {n for n, p in model.named_parameters() if p.grad is None}
+    assert unused == unrouted, f"parameters without a gradient only when routed (DDP would stop): {unused - unrouted}"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -194,13 +208,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(name, checkpoint_func):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(3)
         g = input_grads(name, model, inputs)
-        return g, {n: p.grad.clone() for n, p in model.named_parameters()}, handle.last_keep[0]
+        return g, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, handle.last_keep[0]
 
     g0, p0, k0 = grads()
     model.enable_gradient_checkpointing(checkpoint_func)
     g1, p1, k1 = grads()
     assert torch.equal(k0, k1)
     torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+    assert p1.keys() == p0.keys()
     for n in p0:
         torch.testing.assert_close(p1[n], p0[n], rtol=1e-5, atol=1e-6, msg=n)
     handle.remove()
@@ -225,7 +240,7 @@ def test_masked_tokens_are_never_dropped(name, how):
         else:
             run(model, dict(inputs, tread_mask=mask))
         keep = handle.last_keep[0]
-        pooled = torch.nn.functional.adaptive_max_pool3d(mask[:, None].float(), (grid if len(grid) == 3 else (1, *grid)))
+        pooled = torch.nn.functional.adaptive_max_pool3d(mask[:, None].float(), grid if len(grid) == 3 else (1, *grid))
         tokens = pooled.flatten(1).bool() if name not in PACKED else mask.flatten(1)
         kept = torch.zeros_like(tokens).scatter(1, keep, True)
         assert tokens.any() and (kept | ~tokens).all()
@@ -241,7 +256,7 @@ def test_masked_loss_weights_the_loss_by_the_mask():
     assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "sd3"])
 def test_negative_indices_count_from_the_last_block(name):
     model, inputs, _ = build(name)
     blocks = blocks_of(name, model)
@@ -303,12 +318,14 @@ def test_applied_twice_and_controlnet_residuals_are_refused():
 
 @pytest.mark.parametrize("name,argument,value", [("flux", "controlnet_single_block_samples", [torch.zeros(B, 24, 16)]),
                                                  ("flux2", "kv_cache_mode", "extract"),
-                                                 ("chroma", "controlnet_block_samples", [torch.zeros(B, 24, 16)])])
+                                                 ("chroma", "controlnet_block_samples", [torch.zeros(B, 24, 16)]),
+                                                 ("qwen", "controlnet_block_samples", [torch.zeros(B, 24, 16)]),
+                                                 ("qwen", "img_shapes", [[(1, 24)]] * B)])
 def test_unsupported_forward_arguments_are_refused_in_one_line(name, argument, value):
     model, inputs, _ = build(name)
     apply_tread(model, ROUTE)
     model.train()
-    with pytest.raises(UserError, match=f"given {argument}") as err:
+    with pytest.raises(UserError, match=f"given {argument}|from {argument}") as err:
         run(model, dict(inputs, **{argument: value}))
     assert "\n" not in str(err.value)
 
