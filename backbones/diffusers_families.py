@@ -26,6 +26,10 @@ text travels in `encoder_hidden_states`, or before the image in the single-strea
   image RoPE is complex, [N + R, head_dim / 2] without a batch dimension, and the text has its own table: a
   routed block gets each sample's kept target rows followed by every reference row (`SampleRope`). The edit
   model's per-token modulation index (`zero_cond_t`: target 0, reference 1) is gathered with the tokens.
+- LTX-Video (`transformer_blocks`): video tokens only (packed latents); text by cross-attention, whose mask
+  needs nothing. Its RoPE (cos, sin) [B, N, dim] comes per sample from num_frames / height / width or from
+  video_coords, so each sample's kept rows are gathered; a per-token timestep (conditioning frames at t = 0)
+  gives a per-token embedding [B, N, 6 * dim], gathered with the tokens.
 - AuraFlow (`joint_transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): no RoPE (learned
   positions added at the input); per sample. Its single-stream blocks take [register tokens, text, image] as one
   `hidden_states`: only the image part (after the leading register and text tokens) is routed there.
@@ -117,6 +121,16 @@ def _wan_narrow(kw: dict, keep: torch.Tensor) -> None:
         kw["temb"] = kw["temb"][_rows(keep), keep]
 
 
+def _ltx_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """LTX-Video's RoPE (cos, sin) [B, N, dim] is per sample already: each sample's kept rows; a per-token
+    timestep embedding [B, N, 6 * dim] likewise ([B, 1, 6 * dim] is shared by the tokens)."""
+    rope = kw.get("image_rotary_emb")
+    if rope is not None:
+        kw["image_rotary_emb"] = tuple(table[_rows(keep), keep.to(table.device)] for table in rope)
+    if kw["temb"].shape[1] > 1:
+        kw["temb"] = kw["temb"][_rows(keep), keep]
+
+
 def _pixart_narrow(kw: dict, keep: torch.Tensor) -> None:
     if kw.get("attention_mask") is not None:
         raise UserError("TREAD cannot route a PixArt forward given an image attention_mask; pass "
@@ -144,6 +158,14 @@ def _flux_grid(transformer, kw: dict) -> Tuple[int, ...]:
         return (kw["hidden_states"].shape[1],)
     ids = ids[0] if ids.ndim == 3 else ids
     return (int(ids[:, 1].unique().numel()), int(ids[:, 2].unique().numel()))
+
+
+def _ltx_grid(transformer, kw: dict) -> Tuple[int, ...]:
+    """Frames x rows x columns of LTX-Video's packed latents, from the forward's num_frames, height and width."""
+    if kw.get("video_coords") is not None or kw.get("num_frames") is None:
+        return (kw["hidden_states"].shape[1],)  # positions given per token: masks over tokens only
+    patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+    return (kw["num_frames"] // patch_t, kw["height"] // patch, kw["width"] // patch)
 
 
 def _qwen_target(kw: dict) -> tuple:
@@ -221,6 +243,7 @@ FAMILIES = {
                                        tensor_lists=("single_transformer_blocks",)),
     "QwenImageTransformer2DModel": Family(("transformer_blocks",), 1, _qwen_narrow, _qwen_grid,
                                           ("controlnet_block_samples",), tail=_qwen_tail),
+    "LTXVideoTransformer3DModel": Family(("transformer_blocks",), None, _ltx_narrow, _ltx_grid),
     "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, _latent_grid("patch_size", 3)),
     "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), 1,
                                          _no_narrow, _latent_grid("patch_size", 2), lead=_auraflow_lead,

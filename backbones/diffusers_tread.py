@@ -268,8 +268,8 @@ def _replaying(checkpoint_func):
 
 
 def apply_tread(transformer, routes, *, selection: str = "random", **options) -> TreadHandle:
-    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan or AuraFlow
-    transformer; returns the handle.
+    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video or
+    AuraFlow transformer; returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none."""
     check_diffusers_version()
     family = family_of(transformer)

@@ -106,6 +106,18 @@ def wan(frames=1):
     return model, inputs, (frames, 4, 4)
 
 
+def ltx(frames=2):
+    from diffusers import LTXVideoTransformer3DModel
+
+    model = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+                                       cross_attention_dim=24, num_layers=4, caption_channels=16)
+    h, w = 4, 3
+    inputs = dict(hidden_states=torch.randn(B, frames * h * w, 4), encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.randint(0, 1000, (B,)), encoder_attention_mask=torch.ones(B, 5), num_frames=frames,
+                  height=h, width=w, return_dict=False)
+    return model, inputs, (frames, h, w)
+
+
 def auraflow():
     from diffusers import AuraFlowTransformer2DModel
 
@@ -119,11 +131,11 @@ def auraflow():
 
 
 FAMILIES = {"flux": flux, "flux2": flux2, "chroma": chroma, "qwen": qwen, "qwen_edit": lambda: qwen(True), "sd3": sd3,
-            "pixart": pixart, "wan": wan, "auraflow": auraflow}
+            "pixart": pixart, "wan": wan, "ltx": ltx, "auraflow": auraflow}
 FLUX_BLOCKS = ("transformer_blocks", "single_transformer_blocks")
 BLOCK_LISTS = {"flux": FLUX_BLOCKS, "flux2": FLUX_BLOCKS, "chroma": FLUX_BLOCKS, "qwen": ("transformer_blocks",),
                "qwen_edit": ("transformer_blocks",), "sd3": ("transformer_blocks",),
-               "pixart": ("transformer_blocks",), "wan": ("blocks",),
+               "pixart": ("transformer_blocks",), "wan": ("blocks",), "ltx": ("transformer_blocks",),
                "auraflow": ("joint_transformer_blocks", "single_transformer_blocks")}
 
 
@@ -136,7 +148,7 @@ def blocks_of(name, model):
     return [block for attr in BLOCK_LISTS[name] for block in getattr(model, attr)]
 
 
-PACKED = ("flux", "flux2", "chroma", "qwen", "qwen_edit")  # inputs already tokens [B, N, C]
+PACKED = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "ltx")  # inputs already tokens [B, N, C]
 JOINT_ROPE = ("flux", "flux2", "chroma")  # one RoPE table over the joint [text, image] sequence
 
 
@@ -183,6 +195,10 @@ def narrow_by_hand(name, kw, keep, lead, tail):
         if kw.get("attention_mask") is not None:  # Chroma's [B, text + N] mask
             kw["attention_mask"] = per_sample(lambda b: torch.cat([kw["attention_mask"][b, :text],
                                                                     kw["attention_mask"][b, text:][keep[b]]]))
+    if name == "ltx":  # per-sample RoPE [B, N, dim] and, with per-token timesteps, temb [B, N, 6 * dim]
+        kw["image_rotary_emb"] = tuple(per_sample(lambda b: t[b, keep[b]]) for t in kw["image_rotary_emb"])
+        if kw["temb"].shape[1] > 1:
+            kw["temb"] = per_sample(lambda b: kw["temb"][b, keep[b]])
     if name == "wan":
         kw["rotary_emb"] = tuple(per_sample(lambda b: t[0, keep[b]]) for t in kw["rotary_emb"])
         if kw["temb"].ndim == 4:  # Wan 2.2's per-token timestep

@@ -12,7 +12,7 @@ from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
 from diffusers_tiny import B, JOINT_ROPE, PACKED, blocks_of, bound, build, reference_forward  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "auraflow")
+FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "auraflow")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
@@ -55,12 +55,13 @@ SINGLE_STREAM_ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2
 
 
 @pytest.mark.parametrize("name,variant", [*((n, None) for n in FAMILIES), ("wan", "per_token_t"),
-                                          ("auraflow", "single_stream"), ("flux2", "single_stream"),
-                                          ("chroma", "single_stream"), ("chroma", "text_mask")])
+                                          ("ltx", "per_token_t"), ("auraflow", "single_stream"),
+                                          ("flux2", "single_stream"), ("chroma", "single_stream"),
+                                          ("chroma", "text_mask")])
 def test_routed_forward_matches_hand_built_reference(name, variant):
     model, inputs, grid = build(name)
     n = math.prod(grid)
-    if variant == "per_token_t":  # Wan 2.2 TI2V: one timestep per token, a per-token embedding in every block
+    if variant == "per_token_t":  # Wan 2.2 TI2V, LTX-Video's conditioning frames: a per-token embedding per block
         inputs["timestep"] = torch.randint(0, 1000, (B, n))
     if variant == "text_mask":  # Chroma's mask over [text, image]: the second sample's last two text tokens are padding
         inputs["attention_mask"] = torch.ones(B, 5 + n, dtype=torch.bool)
@@ -91,10 +92,10 @@ def rope_tables_seen(name, model):
     """Hooks on every block's self-attention that keep the RoPE table it is given, per block."""
     seen, hooks = {}, []
     for i, block in enumerate(blocks_of(name, model)):
-        attn = block.attn if name in PACKED else block.attn1
+        attn = block.attn1 if hasattr(block, "attn1") else block.attn
 
         def hook(module, args, kwargs, i=i):
-            seen[i] = kwargs["image_rotary_emb"] if name in PACKED else args[3]
+            seen[i] = kwargs["image_rotary_emb"] if "image_rotary_emb" in kwargs else args[3]
         hooks.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
     return seen, hooks
 
@@ -112,11 +113,13 @@ def angles_match(name, table, full, keep, text):
         n = full.shape[0] - (table.shape[1] - k)
         return all(torch.equal(table[b, :k], full[keep[b]]) and torch.equal(table[b, k:], full[n:])
                    for b in range(keep.shape[0]))
+    if name == "ltx":  # per sample already: [B, K, dim] from [B, N, dim]
+        return all(torch.equal(table[b], full[b, keep[b]]) for b in range(keep.shape[0]))
     return all(torch.equal(table[b, :, 0], full[0, keep[b], 0]) for b in range(keep.shape[0]))
 
 
 @pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
-                                         ("qwen_edit", None), ("wan", 1), ("wan", 3)])
+                                         ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3)])
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
