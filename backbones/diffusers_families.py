@@ -30,6 +30,11 @@ text travels in `encoder_hidden_states`, or before the image in the single-strea
   needs nothing. Its RoPE (cos, sin) [B, N, dim] comes per sample from num_frames / height / width or from
   video_coords, so each sample's kept rows are gathered; a per-token timestep (conditioning frames at t = 0)
   gives a per-token embedding [B, N, 6 * dim], gathered with the tokens.
+- HunyuanVideo (`transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): both kinds take the
+  video in `hidden_states` and the text in `encoder_hidden_states` and return (video, text). The RoPE table
+  [N, head_dim] covers the video only and has no batch dimension: each sample's kept rows (`SampleRope`). The
+  attention mask [B, 1, 1, N + T] (video first, then the text with its padding) is cut with the tokens. The
+  image-to-video `token_replace` variant is refused.
 - AuraFlow (`joint_transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): no RoPE (learned
   positions added at the input); per sample. Its single-stream blocks take [register tokens, text, image] as one
   `hidden_states`: only the image part (after the leading register and text tokens) is routed there.
@@ -131,6 +136,23 @@ def _ltx_narrow(kw: dict, keep: torch.Tensor) -> None:
         kw["temb"] = kw["temb"][_rows(keep), keep]
 
 
+def _hunyuan_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """HunyuanVideo: the video's RoPE (cos, sin) [N, head_dim] (the text has none; `freqs_cis` in the dual-stream
+    blocks, `image_rotary_emb` in the single-stream ones) as each sample's kept rows, and the attention mask
+    [B, 1, 1, N + T], video first, cut the same way."""
+    if kw.get("token_replace_emb") is not None:
+        raise UserError("TREAD cannot route HunyuanVideo with image_condition_type='token_replace' (its first-frame "
+                        "tokens are modulated by position); use a model without it, or call handle.remove()")
+    for key in ("freqs_cis", "image_rotary_emb"):
+        if kw.get(key) is not None:
+            kw[key] = tuple(SampleRope(table[keep.to(table.device)]) for table in kw[key])
+    mask = kw.get("attention_mask")
+    if mask is not None:
+        video = mask.shape[-1] - kw["encoder_hidden_states"].shape[1]
+        kept = mask[..., :video].gather(-1, keep[:, None, None].to(mask.device).expand(*mask.shape[:3], -1))
+        kw["attention_mask"] = torch.cat([kept, mask[..., video:]], -1)
+
+
 def _pixart_narrow(kw: dict, keep: torch.Tensor) -> None:
     if kw.get("attention_mask") is not None:
         raise UserError("TREAD cannot route a PixArt forward given an image attention_mask; pass "
@@ -158,6 +180,13 @@ def _flux_grid(transformer, kw: dict) -> Tuple[int, ...]:
         return (kw["hidden_states"].shape[1],)
     ids = ids[0] if ids.ndim == 3 else ids
     return (int(ids[:, 1].unique().numel()), int(ids[:, 2].unique().numel()))
+
+
+def _hunyuan_grid(transformer, kw: dict) -> Tuple[int, ...]:
+    """Frames x rows x columns of HunyuanVideo's [B, C, F, H, W] latents after its (t, h, w) patches."""
+    patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+    frames, rows, columns = kw["hidden_states"].shape[2:]
+    return (frames // patch_t, rows // patch, columns // patch)
 
 
 def _ltx_grid(transformer, kw: dict) -> Tuple[int, ...]:
@@ -244,6 +273,7 @@ FAMILIES = {
     "QwenImageTransformer2DModel": Family(("transformer_blocks",), 1, _qwen_narrow, _qwen_grid,
                                           ("controlnet_block_samples",), tail=_qwen_tail),
     "LTXVideoTransformer3DModel": Family(("transformer_blocks",), None, _ltx_narrow, _ltx_grid),
+    "HunyuanVideoTransformer3DModel": Family(FLUX_BLOCKS, 0, _hunyuan_narrow, _hunyuan_grid),
     "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, _latent_grid("patch_size", 3)),
     "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), 1,
                                          _no_narrow, _latent_grid("patch_size", 2), lead=_auraflow_lead,

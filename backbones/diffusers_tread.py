@@ -17,7 +17,7 @@ gradients are enabled, so evaluation, sampling and `torch.no_grad()` see the unc
 
 Mask: `handle.set_mask(mask)`, or `tread_mask=mask` as a keyword of the transformer's forward, marks image
 tokens that are never routed (SimpleTuner's force-keep for masked-loss training). `mask` is [B, N] over the
-tokens, or [B, H, W] ([B, F, H, W] for Wan) over the image at any resolution, max-pooled to the token grid:
+tokens, or [B, H, W] ([B, F, H, W] for video) over the image at any resolution, max-pooled to the token grid:
 a token is kept if any of its pixels is in the mask. `masked_loss` weights a loss by the same mask.
 
 Gradient checkpointing (`transformer.enable_gradient_checkpointing()`): diffusers runs each block through
@@ -268,8 +268,8 @@ def _replaying(checkpoint_func):
 
 
 def apply_tread(transformer, routes, *, selection: str = "random", **options) -> TreadHandle:
-    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video or
-    AuraFlow transformer; returns the handle.
+    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
+    HunyuanVideo or AuraFlow transformer; returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none."""
     check_diffusers_version()
     family = family_of(transformer)

@@ -118,6 +118,22 @@ def ltx(frames=2):
     return model, inputs, (frames, h, w)
 
 
+def hunyuan(frames=2, image_condition_type=None):
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    model = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                                           num_layers=2, num_single_layers=2, num_refiner_layers=1, patch_size=2,
+                                           patch_size_t=1, guidance_embeds=False, text_embed_dim=16,
+                                           pooled_projection_dim=16, rope_axes_dim=(2, 2, 4),
+                                           image_condition_type=image_condition_type)
+    text_mask = torch.ones(B, 5)
+    text_mask[1, 3:] = 0  # the second sample's text is padded
+    inputs = dict(hidden_states=torch.randn(B, 4, frames, 8, 6), timestep=torch.randint(0, 1000, (B,)),
+                  encoder_hidden_states=torch.randn(B, 5, 16), encoder_attention_mask=text_mask,
+                  pooled_projections=torch.randn(B, 16), return_dict=False)
+    return model, inputs, (frames, 4, 3)
+
+
 def auraflow():
     from diffusers import AuraFlowTransformer2DModel
 
@@ -131,11 +147,12 @@ def auraflow():
 
 
 FAMILIES = {"flux": flux, "flux2": flux2, "chroma": chroma, "qwen": qwen, "qwen_edit": lambda: qwen(True), "sd3": sd3,
-            "pixart": pixart, "wan": wan, "ltx": ltx, "auraflow": auraflow}
+            "pixart": pixart, "wan": wan, "ltx": ltx, "hunyuan": hunyuan, "auraflow": auraflow}
 FLUX_BLOCKS = ("transformer_blocks", "single_transformer_blocks")
 BLOCK_LISTS = {"flux": FLUX_BLOCKS, "flux2": FLUX_BLOCKS, "chroma": FLUX_BLOCKS, "qwen": ("transformer_blocks",),
                "qwen_edit": ("transformer_blocks",), "sd3": ("transformer_blocks",),
                "pixart": ("transformer_blocks",), "wan": ("blocks",), "ltx": ("transformer_blocks",),
+               "hunyuan": FLUX_BLOCKS,
                "auraflow": ("joint_transformer_blocks", "single_transformer_blocks")}
 
 
@@ -195,6 +212,12 @@ def narrow_by_hand(name, kw, keep, lead, tail):
         if kw.get("attention_mask") is not None:  # Chroma's [B, text + N] mask
             kw["attention_mask"] = per_sample(lambda b: torch.cat([kw["attention_mask"][b, :text],
                                                                     kw["attention_mask"][b, text:][keep[b]]]))
+    if name == "hunyuan":  # the video's RoPE rows [B, K, head_dim]; the mask [B, 1, 1, N + T], video first
+        key = "freqs_cis" if "freqs_cis" in kw else "image_rotary_emb"
+        kw[key] = tuple(HandRope(per_sample(lambda b: t[keep[b]])) for t in kw[key])
+        mask, text = kw["attention_mask"], kw["encoder_hidden_states"].shape[1]
+        kw["attention_mask"] = per_sample(lambda b: torch.cat([mask[b][..., :-text][..., keep[b]],
+                                                               mask[b][..., -text:]], -1))
     if name == "ltx":  # per-sample RoPE [B, N, dim] and, with per-token timesteps, temb [B, N, 6 * dim]
         kw["image_rotary_emb"] = tuple(per_sample(lambda b: t[b, keep[b]]) for t in kw["image_rotary_emb"])
         if kw["temb"].shape[1] > 1:
@@ -234,9 +257,9 @@ def reference_forward(name, model, inputs, keep, start, end, n):
         if start <= i <= end:
             narrow_by_hand(name, kw, keep, lead, tail)
         out = blocks[i](**kw)
-        if isinstance(out, tuple):
-            text = text if out[0] is None else out[0]
-            out = out[1]
+        if isinstance(out, tuple):  # (text, image); HunyuanVideo (image, text)
+            out, other = (out[0], out[1]) if name == "hunyuan" else (out[1], out[0])
+            text = text if other is None else other
         x = out
         if i == end:
             full = x_full.clone()

@@ -12,7 +12,7 @@ from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
 from diffusers_tiny import B, JOINT_ROPE, PACKED, blocks_of, bound, build, reference_forward  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "auraflow")
+FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan", "auraflow")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
@@ -24,7 +24,7 @@ def capture_image_output(name, block):
     seen = {}
 
     def hook(module, args, output):
-        seen["x"] = output if isinstance(output, torch.Tensor) else output[1]
+        seen["x"] = output if isinstance(output, torch.Tensor) else output[0 if name == "hunyuan" else 1]
     return seen, block.register_forward_hook(hook)
 
 
@@ -57,7 +57,7 @@ SINGLE_STREAM_ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2
 @pytest.mark.parametrize("name,variant", [*((n, None) for n in FAMILIES), ("wan", "per_token_t"),
                                           ("ltx", "per_token_t"), ("auraflow", "single_stream"),
                                           ("flux2", "single_stream"), ("chroma", "single_stream"),
-                                          ("chroma", "text_mask")])
+                                          ("chroma", "text_mask"), ("hunyuan", "single_stream")])
 def test_routed_forward_matches_hand_built_reference(name, variant):
     model, inputs, grid = build(name)
     n = math.prod(grid)
@@ -113,13 +113,17 @@ def angles_match(name, table, full, keep, text):
         n = full.shape[0] - (table.shape[1] - k)
         return all(torch.equal(table[b, :k], full[keep[b]]) and torch.equal(table[b, k:], full[n:])
                    for b in range(keep.shape[0]))
+    if name == "hunyuan":  # the video's rows only, [B, K, 1, head_dim]
+        table = table[None, :, None, :]
+        return all(torch.equal(table[b, :, 0], full[keep[b]]) for b in range(keep.shape[0]))
     if name == "ltx":  # per sample already: [B, K, dim] from [B, N, dim]
         return all(torch.equal(table[b], full[b, keep[b]]) for b in range(keep.shape[0]))
     return all(torch.equal(table[b, :, 0], full[0, keep[b], 0]) for b in range(keep.shape[0]))
 
 
 @pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
-                                         ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3)])
+                                         ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3),
+                                         ("hunyuan", 1), ("hunyuan", 3)])
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
@@ -259,7 +263,7 @@ def test_masked_loss_weights_the_loss_by_the_mask():
     assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3"])
 def test_negative_indices_count_from_the_last_block(name):
     model, inputs, _ = build(name)
     blocks = blocks_of(name, model)
@@ -330,6 +334,15 @@ def test_unsupported_forward_arguments_are_refused_in_one_line(name, argument, v
     model.train()
     with pytest.raises(UserError, match=f"given {argument}|from {argument}") as err:
         run(model, dict(inputs, **{argument: value}))
+    assert "\n" not in str(err.value)
+
+
+def test_hunyuan_video_token_replace_is_refused_in_one_line():
+    model, inputs, _ = build("hunyuan", image_condition_type="token_replace")
+    apply_tread(model, ROUTE)
+    model.train()
+    with pytest.raises(UserError, match="image_condition_type='token_replace'") as err:
+        run(model, inputs)
     assert "\n" not in str(err.value)
 
 

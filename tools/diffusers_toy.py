@@ -76,7 +76,7 @@ def random_sd3(channels: int, width: int, heads: int, depth: int, text_dim: int,
 def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor, t: torch.Tensor) -> dict:
     """The forward keywords of noisy latents `x_t` at times `t` in [0, 1]: SD3 takes latents and t * 1000; FLUX,
     FLUX.2, Chroma and Qwen-Image packed tokens of a square-ish grid, with their position inputs, and t; LTX-Video
-    video latents as tokens."""
+    video latents as tokens; HunyuanVideo video latents."""
     name = type(model).__name__
     if name == "LTXVideoTransformer3DModel":  # video latents [B, C, F, H, W] as tokens (patch 1), t * 1000
         frames, rows, columns = x_t.shape[2:]
@@ -85,6 +85,9 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
                     width=columns)
     if name == "SD3Transformer2DModel":
         return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000)
+    if name == "HunyuanVideoTransformer3DModel":  # video latents [B, C, F, H, W] as they are, t * 1000
+        return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000,
+                    encoder_attention_mask=text.new_ones(text.shape[:2]))
     rows = int(round(x_t.shape[1] ** 0.5))
     columns = x_t.shape[1] // rows
     if name == "QwenImageTransformer2DModel":
