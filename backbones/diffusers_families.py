@@ -1,20 +1,40 @@
 """What TREAD needs to know about each diffusers transformer family (backbones/diffusers_tread.py routes them).
 
-For every family: the block lists in route order, whether one selection is shared by the batch, where a
-block's output holds the image tokens, how a block's other per-token inputs (RoPE tables, per-token
-timestep embeddings) are cut to the kept tokens, and the token grid of the image (for masks).
+For every family: the block lists in route order, where a block's output holds the image tokens, how a
+block's other per-token inputs (RoPE tables, per-token timestep embeddings) are cut to the kept tokens, and the
+token grid of the image (for masks). Every family selects its kept tokens per sample.
 
-Text tokens are never routed: the routed tensor is always the block's `hidden_states`, which in these four
-families holds image (or video) tokens only; text travels in `encoder_hidden_states`.
+Text tokens are never routed: the routed tensor is the image (or video) part of a block's `hidden_states`;
+text travels in `encoder_hidden_states`, or before the image in the single-stream blocks' `hidden_states`.
 
-- PixArt (`transformer_blocks`): cross-attention to text, no RoPE. Selection per sample.
-- SD3 (`transformer_blocks`): joint attention; the text stream passes every block whole. Per sample.
+- PixArt (`transformer_blocks`): cross-attention to text, no RoPE.
+- SD3 (`transformer_blocks`): joint attention; the text stream passes every block whole.
 - FLUX (`transformer_blocks`, then `single_transformer_blocks`): route indices number the dual-stream blocks
   0..D-1 and the single-stream blocks D..D+S-1 (negative indices count from the last single-stream block).
-  Its RoPE table `(cos, sin)` is [T + N, head_dim], text rows first, shared by the batch, and diffusers'
-  attention applies it without a batch dimension; so one selection is shared by the batch and the table
-  passed to a routed block is the text rows followed by the kept image tokens' rows, each token keeping
-  its own angles.
+  Its RoPE table `(cos, sin)` is [T + N, head_dim], text rows first, without a batch dimension. A routed block
+  gets, per sample, the text rows followed by that sample's kept image rows, [B, T + K, head_dim], wrapped in
+  `SampleRope` so that diffusers' `apply_rotary_emb` broadcasts it as [B, T + K, 1, head_dim]: each kept token
+  keeps its own angles.
+- FLUX.2 and Chroma (`transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): the same joint
+  RoPE table, cut the same way; their single-stream blocks take [text, image] as one `hidden_states`, where
+  only the image part is routed. Chroma's attention mask [B, T + N] is cut like the table. FLUX.2's KV-cache
+  modes (reference tokens modulated apart) are refused.
+- Qwen-Image (`transformer_blocks`): dual-stream, the text in `encoder_hidden_states` (its mask is joined with
+  the image inside the attention, so it fits any cut). `hidden_states` is the target image's tokens followed,
+  in the edit models, by reference images' tokens (`img_shapes` per sample: the target's (frames, rows,
+  columns), then the references'); only the target's are routed, the references pass every block whole. The
+  image RoPE is complex, [N + R, head_dim / 2] without a batch dimension, and the text has its own table: a
+  routed block gets each sample's kept target rows followed by every reference row (`SampleRope`). The edit
+  model's per-token modulation index (`zero_cond_t`: target 0, reference 1) is gathered with the tokens.
+- LTX-Video (`transformer_blocks`): video tokens only (packed latents); text by cross-attention, whose mask
+  needs nothing. Its RoPE (cos, sin) [B, N, dim] comes per sample from num_frames / height / width or from
+  video_coords, so each sample's kept rows are gathered; a per-token timestep (conditioning frames at t = 0)
+  gives a per-token embedding [B, N, 6 * dim], gathered with the tokens.
+- HunyuanVideo (`transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): both kinds take the
+  video in `hidden_states` and the text in `encoder_hidden_states` and return (video, text). The RoPE table
+  [N, head_dim] covers the video only and has no batch dimension: each sample's kept rows (`SampleRope`). The
+  attention mask [B, 1, 1, N + T] (video first, then the text with its padding) is cut with the tokens. The
+  image-to-video `token_replace` variant is refused.
 - AuraFlow (`joint_transformer_blocks`, then `single_transformer_blocks`, numbered as FLUX's): no RoPE (learned
   positions added at the input); per sample. Its single-stream blocks take [register tokens, text, image] as one
   `hidden_states`: only the image part (after the leading register and text tokens) is routed there.
@@ -35,17 +55,66 @@ def _rows(keep: torch.Tensor) -> torch.Tensor:
     return torch.arange(keep.shape[0], device=keep.device)[:, None]
 
 
-def _flux_narrow(kw: dict, keep: torch.Tensor) -> None:
-    """The RoPE rows of the text tokens, then those of the kept image tokens (batch-shared selection)."""
+class SampleRope:
+    """Each sample's own RoPE rows [B, S, head_dim], answering the indexing by which diffusers' apply_rotary_emb
+    broadcasts a batch-shared [S, head_dim] table over [B, S, heads, head_dim] (or [B, heads, S, head_dim]), and
+    the `unsqueeze(1)` by which Qwen-Image's broadcasts its complex [S, head_dim / 2] table over [B, S, heads, .]."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def unsqueeze(self, dim: int) -> torch.Tensor:
+        if dim != 1:
+            raise TypeError(f"a per-sample RoPE table of a routed block was unsqueezed at {dim}, which TREAD does "
+                            f"not know how to serve; call handle.remove() and report the diffusers version")
+        return self.table[:, :, None]
+
+    def __getitem__(self, index):
+        if index == (None, slice(None), None, slice(None)):  # sequence_dim=1: [B, S, 1, head_dim]
+            return self.table[:, :, None]
+        if index == (None, None, slice(None), slice(None)):  # sequence_dim=2: [B, 1, S, head_dim]
+            return self.table[:, None]
+        raise TypeError(f"a per-sample RoPE table of a routed block was indexed by {index!r}, which TREAD does "
+                        f"not know how to serve; call handle.remove() and report the diffusers version")
+
+
+def _text_then_kept(table: torch.Tensor, text: int, keep: torch.Tensor) -> SampleRope:
+    """Per sample: a [text + N, head_dim] table's text rows, then the rows of that sample's kept image tokens."""
+    rows = torch.cat([torch.arange(text, device=keep.device).expand(keep.shape[0], -1), text + keep], 1)
+    return SampleRope(table[rows.to(table.device)])
+
+
+def _joint_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """FLUX, FLUX.2, Chroma: the joint sequence is [text, image]. Its batch-shared RoPE (cos, sin) [T + N, head_dim]
+    becomes each sample's text rows and kept image rows; Chroma's attention mask [B, T + N] is cut the same way."""
+    if kw.get("encoder_hidden_states") is not None:
+        text = kw["encoder_hidden_states"].shape[1]
+    else:  # FLUX.2 and Chroma single-stream blocks: the text leads the (already cut) hidden_states
+        text = kw["hidden_states"].shape[1] - keep.shape[1]
     rope = kw.get("image_rotary_emb")
-    if rope is None:
-        return
-    text = kw["encoder_hidden_states"].shape[1]
-    rows = torch.cat([torch.arange(text, device=keep.device), text + keep[0]])
-    kw["image_rotary_emb"] = tuple(table.index_select(0, rows.to(table.device)) for table in rope)
+    if rope is not None:
+        kw["image_rotary_emb"] = tuple(_text_then_kept(table, text, keep) for table in rope)
+    mask = kw.get("attention_mask")
+    if mask is not None:
+        kw["attention_mask"] = torch.cat([mask[:, :text], mask[:, text:].gather(1, keep.to(mask.device))], 1)
     if (kw.get("joint_attention_kwargs") or {}).get("attention_mask") is not None:
         raise UserError("TREAD cannot route a FLUX forward given an attention_mask in joint_attention_kwargs; "
                         "pass no attention mask while training with routes")
+
+
+def _qwen_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """Qwen-Image: the image RoPE (complex [N + R, head_dim / 2]: the target's rows, then the reference images')
+    as each sample's kept target rows followed by every reference row; the edit model's per-token modulation
+    index [B, N + R] likewise. The text keeps its own table."""
+    refs = kw["hidden_states"].shape[1] - keep.shape[1]
+    if kw.get("image_rotary_emb") is not None:
+        image, text = kw["image_rotary_emb"]
+        n = image.shape[0] - refs
+        references = torch.arange(n, n + refs, device=image.device).expand(len(keep), -1)
+        kw["image_rotary_emb"] = (SampleRope(image[torch.cat([keep.to(image.device), references], 1)]), text)
+    index = kw.get("modulate_index")
+    if index is not None:
+        kw["modulate_index"] = torch.cat([index.gather(1, keep.to(index.device)), index[:, index.shape[1] - refs:]], 1)
 
 
 def _wan_narrow(kw: dict, keep: torch.Tensor) -> None:
@@ -55,6 +124,33 @@ def _wan_narrow(kw: dict, keep: torch.Tensor) -> None:
         kw["rotary_emb"] = tuple(table[0][keep.to(table.device)] for table in rope)
     if kw["temb"].ndim == 4:
         kw["temb"] = kw["temb"][_rows(keep), keep]
+
+
+def _ltx_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """LTX-Video's RoPE (cos, sin) [B, N, dim] is per sample already: each sample's kept rows; a per-token
+    timestep embedding [B, N, 6 * dim] likewise ([B, 1, 6 * dim] is shared by the tokens)."""
+    rope = kw.get("image_rotary_emb")
+    if rope is not None:
+        kw["image_rotary_emb"] = tuple(table[_rows(keep), keep.to(table.device)] for table in rope)
+    if kw["temb"].shape[1] > 1:
+        kw["temb"] = kw["temb"][_rows(keep), keep]
+
+
+def _hunyuan_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """HunyuanVideo: the video's RoPE (cos, sin) [N, head_dim] (the text has none; `freqs_cis` in the dual-stream
+    blocks, `image_rotary_emb` in the single-stream ones) as each sample's kept rows, and the attention mask
+    [B, 1, 1, N + T], video first, cut the same way."""
+    if kw.get("token_replace_emb") is not None:
+        raise UserError("TREAD cannot route HunyuanVideo with image_condition_type='token_replace' (its first-frame "
+                        "tokens are modulated by position); use a model without it, or call handle.remove()")
+    for key in ("freqs_cis", "image_rotary_emb"):
+        if kw.get(key) is not None:
+            kw[key] = tuple(SampleRope(table[keep.to(table.device)]) for table in kw[key])
+    mask = kw.get("attention_mask")
+    if mask is not None:
+        video = mask.shape[-1] - kw["encoder_hidden_states"].shape[1]
+        kept = mask[..., :video].gather(-1, keep[:, None, None].to(mask.device).expand(*mask.shape[:3], -1))
+        kw["attention_mask"] = torch.cat([kept, mask[..., video:]], -1)
 
 
 def _pixart_narrow(kw: dict, keep: torch.Tensor) -> None:
@@ -86,8 +182,50 @@ def _flux_grid(transformer, kw: dict) -> Tuple[int, ...]:
     return (int(ids[:, 1].unique().numel()), int(ids[:, 2].unique().numel()))
 
 
+def _hunyuan_grid(transformer, kw: dict) -> Tuple[int, ...]:
+    """Frames x rows x columns of HunyuanVideo's [B, C, F, H, W] latents after its (t, h, w) patches."""
+    patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+    frames, rows, columns = kw["hidden_states"].shape[2:]
+    return (frames // patch_t, rows // patch, columns // patch)
+
+
+def _ltx_grid(transformer, kw: dict) -> Tuple[int, ...]:
+    """Frames x rows x columns of LTX-Video's packed latents, from the forward's num_frames, height and width."""
+    if kw.get("video_coords") is not None or kw.get("num_frames") is None:
+        return (kw["hidden_states"].shape[1],)  # positions given per token: masks over tokens only
+    patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+    return (kw["num_frames"] // patch_t, kw["height"] // patch, kw["width"] // patch)
+
+
+def _qwen_target(kw: dict) -> tuple:
+    """The target image's (frames, rows, columns) in Qwen-Image's img_shapes: a shape, a list of them (one per
+    sample), or per sample a list whose first shape is the target and the rest reference images."""
+    shapes = kw.get("img_shapes")
+    while isinstance(shapes, list) and shapes:
+        shapes = shapes[0]
+    if not (isinstance(shapes, tuple) and len(shapes) == 3):
+        raise UserError(f"TREAD reads Qwen-Image's target image from img_shapes, as (frames, height, width) per "
+                        f"sample; got {kw.get('img_shapes')!r}")
+    return shapes
+
+
+def _qwen_grid(transformer, kw: dict) -> Tuple[int, ...]:
+    frames, rows, columns = _qwen_target(kw)
+    return (rows, columns) if frames == 1 else (frames, rows, columns)
+
+
+def _qwen_tail(transformer, kw: dict) -> int:
+    """Qwen-Image-Edit's reference-image tokens follow the target's in hidden_states; they are never routed."""
+    frames, rows, columns = _qwen_target(kw)
+    return kw["hidden_states"].shape[1] - frames * rows * columns
+
+
 def _no_lead(transformer, kw: dict) -> dict:
     return {}
+
+
+def _no_tail(transformer, kw: dict) -> int:
+    return 0
 
 
 def _auraflow_lead(transformer, kw: dict) -> dict:
@@ -95,16 +233,21 @@ def _auraflow_lead(transformer, kw: dict) -> dict:
     return {"single_transformer_blocks": transformer.register_tokens.shape[1] + kw["encoder_hidden_states"].shape[1]}
 
 
+def _text_lead(transformer, kw: dict) -> dict:
+    """FLUX.2's and Chroma's single-stream blocks get [text, image] in one tensor."""
+    return {"single_transformer_blocks": kw["encoder_hidden_states"].shape[1]}
+
+
 @dataclass(frozen=True)
 class Family:
     block_lists: Tuple[str, ...]   # the transformer's block lists, in route-index order
-    shared: bool                   # one selection for the whole batch (RoPE table without a batch dimension)
     out_index: Optional[int]       # where a block's output tuple holds the image tokens (None: it is them)
     narrow: Callable               # (block kwargs, keep [B, K]) -> None: other per-token inputs, cut in place
     grid: Callable                 # (transformer, forward kwargs) -> the image's token grid
     refused: Tuple[str, ...] = ()  # forward arguments that add per-block residuals of the full length
     lead: Callable = _no_lead      # (transformer, forward kwargs) -> {block list: text tokens before the image}
     tensor_lists: Tuple[str, ...] = ()  # block lists whose output is the tensor itself, whatever out_index says
+    tail: Callable = _no_tail      # (transformer, forward kwargs) -> conditioning tokens after the image
 
     def image(self, output, kind: str):
         return output if self.out_index is None or kind in self.tensor_lists else output[self.out_index]
@@ -115,15 +258,24 @@ class Family:
         return tuple(image if i == self.out_index else part for i, part in enumerate(output))
 
 
+FLUX_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # dual-stream, then single-stream
+FLUX_CONTROLNET = ("controlnet_block_samples", "controlnet_single_block_samples")
 FAMILIES = {
-    "PixArtTransformer2DModel": Family(("transformer_blocks",), False, None, _pixart_narrow,
+    "PixArtTransformer2DModel": Family(("transformer_blocks",), None, _pixart_narrow,
                                        _latent_grid("patch_size", 2)),
-    "SD3Transformer2DModel": Family(("transformer_blocks",), False, 1, _no_narrow, _latent_grid("patch_size", 2),
+    "SD3Transformer2DModel": Family(("transformer_blocks",), 1, _no_narrow, _latent_grid("patch_size", 2),
                                     ("block_controlnet_hidden_states", "skip_layers")),
-    "FluxTransformer2DModel": Family(("transformer_blocks", "single_transformer_blocks"), True, 1, _flux_narrow,
-                                     _flux_grid, ("controlnet_block_samples", "controlnet_single_block_samples")),
-    "WanTransformer3DModel": Family(("blocks",), False, None, _wan_narrow, _latent_grid("patch_size", 3)),
-    "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), False, 1,
+    "FluxTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET),
+    "Flux2Transformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, ("kv_cache", "kv_cache_mode"),
+                                      lead=_text_lead, tensor_lists=("single_transformer_blocks",)),
+    "ChromaTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, lead=_text_lead,
+                                       tensor_lists=("single_transformer_blocks",)),
+    "QwenImageTransformer2DModel": Family(("transformer_blocks",), 1, _qwen_narrow, _qwen_grid,
+                                          ("controlnet_block_samples",), tail=_qwen_tail),
+    "LTXVideoTransformer3DModel": Family(("transformer_blocks",), None, _ltx_narrow, _ltx_grid),
+    "HunyuanVideoTransformer3DModel": Family(FLUX_BLOCKS, 0, _hunyuan_narrow, _hunyuan_grid),
+    "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, _latent_grid("patch_size", 3)),
+    "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), 1,
                                          _no_narrow, _latent_grid("patch_size", 2), lead=_auraflow_lead,
                                          tensor_lists=("single_transformer_blocks",)),
 }

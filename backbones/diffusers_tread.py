@@ -9,7 +9,7 @@
 takes a subset of the image tokens out before block `start_layer_idx` and puts them back, unchanged, after
 block `end_layer_idx` (inclusive); negative indices count from the last block (-1 = the last). The routes are
 checked by `routing_module.resolve_routes`, the validation of `model.params.routes`, against the number of
-blocks (for FLUX and AuraFlow, both block lists: backbones/diffusers_families.py says how they are numbered).
+blocks (for two-list families, both lists: backbones/diffusers_families.py says how they are numbered).
 
 The kept tokens are chosen by `routing_module.select_kept_tokens` (a rule of `routing_module.SELECTIONS`),
 with the mask (below) as its `force_keep`; routing runs only while the transformer is in training mode and
@@ -17,7 +17,7 @@ gradients are enabled, so evaluation, sampling and `torch.no_grad()` see the unc
 
 Mask: `handle.set_mask(mask)`, or `tread_mask=mask` as a keyword of the transformer's forward, marks image
 tokens that are never routed (SimpleTuner's force-keep for masked-loss training). `mask` is [B, N] over the
-tokens, or [B, H, W] ([B, F, H, W] for Wan) over the image at any resolution, max-pooled to the token grid:
+tokens, or [B, H, W] ([B, F, H, W] for video) over the image at any resolution, max-pooled to the token grid:
 a token is kept if any of its pixels is in the mask. `masked_loss` weights a loss by the same mask.
 
 Gradient checkpointing (`transformer.enable_gradient_checkpointing()`): diffusers runs each block through
@@ -117,6 +117,7 @@ class TreadHandle:
         self.last_keep: dict = {}
         self._on, self._force_keep, self._pending_mask, self._grid, self._live = False, None, None, None, {}
         self._lead: dict = {}  # block list -> leading text tokens in its hidden_states (this forward)
+        self._tail = 0  # conditioning tokens after the image in every block's hidden_states (this forward)
         self._signatures: dict = {}
         blocks = [(name, block) for name in family.block_lists for block in getattr(transformer, name)]
         self.depth = len(blocks)
@@ -155,6 +156,7 @@ class TreadHandle:
                 raise UserError(f"TREAD cannot route a {type(module).__name__} forward given {name}; train "
                                 f"without it, or call handle.remove() first")
         self._grid, self._lead = self.family.grid(module, kw), self.family.lead(module, kw)
+        self._tail = self.family.tail(module, kw)
         self._pending_mask = mask
         return args, kwargs
 
@@ -176,32 +178,26 @@ class TreadHandle:
         if force_keep is not None and force_keep.shape != x.shape[:2]:
             raise UserError(f"the TREAD mask gives {tuple(force_keep.shape)} token flags for image tokens of shape "
                             f"{tuple(x.shape[:2])}; give one mask per sample over this image")
-        if not self.family.shared:
-            return select_kept_tokens(x, route.selection_ratio, None, route.selection, force_keep,
-                                      **dict(route.options))
-        scores = x.detach().abs().mean(0, keepdim=True)  # importance: the batch's mean L1 norm per token
-        keep = select_kept_tokens(scores, route.selection_ratio, None, route.selection,
-                                  None if force_keep is None else force_keep.any(0, keepdim=True),
-                                  **dict(route.options))
-        return keep.expand(x.shape[0], -1)
+        return select_kept_tokens(x, route.selection_ratio, None, route.selection, force_keep, **dict(route.options))
 
-    def _lead_of(self, kind: str, record: Optional[dict]) -> int:
-        """Text tokens before the image in this block's hidden_states; a recomputation reads its forward's."""
-        lead = self._lead.get(kind, 0)
-        return lead if record is None else record.setdefault("lead", lead)
+    def _span_of(self, kind: str, record: Optional[dict]) -> tuple:
+        """Tokens before and after the image in this block's hidden_states; a recomputation reads its forward's."""
+        span = (self._lead.get(kind, 0), self._tail)
+        return span if record is None else record.setdefault("span", span)
 
     def _pre_hook(self, k: int, kind: str, is_start: bool):
         route = self.routes[k]
 
         def hook(module, args, kwargs):
             record = _RECORD.get()
-            lead = self._lead_of(kind, record)
+            lead, tail = self._span_of(kind, record)
             if record is not None and "ctx" in record:  # backward recomputes a checkpointed block
                 ctx = record["ctx"]
             elif not self._on:
                 ctx = None
             elif is_start:
-                x = _as_kwargs(self._signature(module), args, kwargs)["hidden_states"][:, lead:]
+                x = _as_kwargs(self._signature(module), args, kwargs)["hidden_states"]
+                x = x[:, lead:x.shape[1] - tail]
                 ctx = (self._select(route, x), x)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
             else:
@@ -214,7 +210,8 @@ class TreadHandle:
             kw = _as_kwargs(self._signature(module), args, kwargs)
             if is_start:
                 x = kw["hidden_states"]
-                kw["hidden_states"] = _join(x[:, :lead], start_route(x[:, lead:], keep))
+                image = start_route(x[:, lead:x.shape[1] - tail], keep)
+                kw["hidden_states"] = _join(x[:, :lead], image, x[:, x.shape[1] - tail:])
             self.family.narrow(kw, keep)
             return (), kw
         return hook
@@ -222,14 +219,15 @@ class TreadHandle:
     def _post_hook(self, k: int, kind: str):
         def hook(module, args, output):
             record = _RECORD.get()
-            lead = self._lead_of(kind, record)
+            lead, tail = self._span_of(kind, record)
             ctx = record.get("ctx") if record is not None else (self._live.get(k) if self._on else None)
             self._live.pop(k, None)
             if ctx is None:
                 return None
             keep, x_full = ctx
             out = self.family.image(output, kind)
-            return self.family.with_image(output, kind, _join(out[:, :lead], end_route(out[:, lead:], x_full, keep)))
+            image = end_route(out[:, lead:out.shape[1] - tail], x_full, keep)
+            return self.family.with_image(output, kind, _join(out[:, :lead], image, out[:, out.shape[1] - tail:]))
         return hook
 
     def remove(self) -> None:
@@ -245,9 +243,11 @@ class TreadHandle:
         self._live, self.last_keep, self.mask = {}, {}, None
 
 
-def _join(lead: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-    """Leading text tokens (AuraFlow's single-stream blocks; none elsewhere) before the image tokens."""
-    return image if lead.shape[1] == 0 else torch.cat([lead, image], 1)
+def _join(lead: torch.Tensor, image: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The image tokens between the leading text tokens (single-stream blocks) and the trailing conditioning
+    tokens (reference images), where a family has them."""
+    parts = [part for part in (lead, image, tail) if part.shape[1]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def _replaying(checkpoint_func):
@@ -268,7 +268,8 @@ def _replaying(checkpoint_func):
 
 
 def apply_tread(transformer, routes, *, selection: str = "random", **options) -> TreadHandle:
-    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, Wan or AuraFlow transformer; returns the handle.
+    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
+    HunyuanVideo or AuraFlow transformer; returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none."""
     check_diffusers_version()
     family = family_of(transformer)

@@ -1,7 +1,14 @@
-"""Bench: the routed against the unrouted training step of mid-size random FLUX- and SD3-architecture diffusers
-transformers (apply_tread), with the FLOP bound from torch.utils.flop_counter.
+"""Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread):
+FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, LTX-Video and HunyuanVideo (4 frames) at 1,024 image tokens, with
+the FLOP bound from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
+    python -m lab.bench_diffusers --archs flux2 chroma qwen --tokens-side 32 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_families_cpu.json
+    python -m lab.bench_diffusers --archs ltx --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_video_cpu.json
+    python -m lab.bench_diffusers --archs hunyuan --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_hunyuan_cpu.json
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights, on random latents and
 text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
@@ -21,16 +28,59 @@ import torch
 from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unrouted
 from tread_utils.errors import report_user_errors
 
+PACKED = ("flux", "flux2", "chroma", "qwen")  # take packed latent tokens
+VIDEO = ("ltx", "hunyuan")
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 
 
-def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: int, text_len: int = 16):
+def random_packed(arch: str, channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
+    """A random FLUX.2, Chroma or Qwen-Image transformer taking 2x2-packed latents (FLUX.2 and Chroma: a quarter
+    of the blocks dual-stream, the rest single-stream; Qwen-Image: all dual-stream), head_dim 64."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    heads, dual = width // 64, depth // 4
+    common = dict(in_channels=channels * 4, attention_head_dim=64, num_attention_heads=heads,
+                  joint_attention_dim=text_dim)
+    if arch == "flux2":
+        return diffusers.Flux2Transformer2DModel(num_layers=dual, num_single_layers=depth - dual,
+                                                 axes_dims_rope=(16, 16, 16, 16), guidance_embeds=False, **common)
+    if arch == "chroma":
+        return diffusers.ChromaTransformer2DModel(num_layers=dual, num_single_layers=depth - dual,
+                                                  axes_dims_rope=(16, 24, 24), approximator_hidden_dim=width,
+                                                  approximator_layers=2, **common)
+    return diffusers.QwenImageTransformer2DModel(patch_size=2, out_channels=channels, num_layers=depth,
+                                                 axes_dims_rope=(16, 24, 24), **common)
+
+
+def random_video(arch: str, channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
+    """A random LTX-Video (all blocks alike) or HunyuanVideo (a quarter dual-stream) transformer, head_dim 64."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    if arch == "hunyuan":
+        return diffusers.HunyuanVideoTransformer3DModel(
+            in_channels=channels, out_channels=channels, num_attention_heads=width // 64, attention_head_dim=64,
+            num_layers=depth // 4, num_single_layers=depth - depth // 4, num_refiner_layers=1, guidance_embeds=False,
+            text_embed_dim=text_dim, pooled_projection_dim=text_dim, rope_axes_dim=(16, 24, 24))
+    return diffusers.LTXVideoTransformer3DModel(in_channels=channels, out_channels=channels,
+                                                num_attention_heads=width // 64, attention_head_dim=64,
+                                                cross_attention_dim=width, num_layers=depth, caption_channels=text_dim)
+
+
+def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: int, text_len: int = 16,
+                    frames: int = 4):
     """The random model and a function drawing a batch (latents, text tokens, pooled) for it."""
     text_dim, channels = 64, 4
-    if arch == "flux":
-        model = random_flux(channels, width, width // 64, depth // 4, depth - depth // 4, text_dim)
+    if arch in PACKED:
+        model = (random_flux(channels, width, width // 64, depth // 4, depth - depth // 4, text_dim) if arch == "flux"
+                 else random_packed(arch, channels, width, depth, text_dim))
         side = tokens_side * 2  # latent pixels; 2x2 packing gives tokens_side^2 tokens
         make = lambda: pack(torch.randn(batch, channels, side, side))  # noqa: E731
+    elif arch in VIDEO:  # a few frames of tokens_side^2 tokens each (LTX-Video: patch 1; HunyuanVideo: 2 x 2)
+        model = random_video(arch, channels, width, depth, text_dim)
+        side = tokens_side * (2 if arch == "hunyuan" else 1)
+        make = lambda: torch.randn(batch, channels, frames, side, side)  # noqa: E731
     else:
         side = tokens_side * 2  # patch 2
         model = random_sd3(channels, width, width // 64, depth, text_dim, side)
@@ -52,10 +102,12 @@ def to_markdown(record: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", nargs="+", choices=("flux", "sd3"), default=("flux", "sd3"))
+    p.add_argument("--archs", nargs="+", choices=(*PACKED, "sd3", *VIDEO), default=("flux", "sd3"))
     p.add_argument("--width", type=int, default=256)
-    p.add_argument("--depth", type=int, default=8, help="blocks (FLUX: a quarter dual-stream, the rest single)")
+    p.add_argument("--depth", type=int, default=8,
+                   help="blocks (FLUX, FLUX.2, Chroma: a quarter dual-stream, the rest single)")
     p.add_argument("--tokens-side", type=int, default=16, help="image tokens per side")
+    p.add_argument("--frames", type=int, default=4, help="video frames, each tokens-side^2 tokens")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=2, help="steps per timed block")
@@ -70,11 +122,13 @@ def main(argv=None):
     load_before = os.getloadavg()
     rows = []
     for arch in args.archs:
-        model, batch = model_and_batch(arch, args.width, args.depth, args.tokens_side, args.batch_size)
+        model, batch = model_and_batch(arch, args.width, args.depth, args.tokens_side, args.batch_size,
+                                       frames=args.frames)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         result = routed_vs_unrouted(model, ROUTES, batch, optimizer, rounds=args.rounds, steps=args.steps)
         rows.append(dict(arch=arch, params_m=sum(q.numel() for q in model.parameters()) / 1e6, blocks=args.depth,
-                         tokens=args.tokens_side ** 2, batch=args.batch_size, **result))
+                         tokens=args.tokens_side ** 2 * (args.frames if arch in VIDEO else 1), batch=args.batch_size,
+                         **result))
         print(f"{arch}: unrouted {result['unrouted_step_s'] * 1e3:.0f} ms, routed {result['routed_step_s'] * 1e3:.0f} ms, "
               f"speed-up {result['speedup']:.3f}x, FLOP bound {result['flop_bound']:.3f}x, "
               f"speed-up / bound {result['speedup_vs_bound']:.3f}", flush=True)

@@ -1,4 +1,4 @@
-"""lab/bench_diffusers.py on tiny sizes: a record with both architectures, a FLOP bound above 1, its table."""
+"""lab/bench_diffusers.py on tiny sizes: a record with every architecture, a FLOP bound above 1, its table."""
 import json
 
 import pytest
@@ -19,3 +19,16 @@ def test_bench_writes_a_record_and_table(tmp_path):
         assert row["speedup_vs_bound"] == pytest.approx(row["speedup"] / row["flop_bound"])
     table = out.with_suffix(".md").read_text()
     assert "CPU cores shared with other jobs" in table and table.count("| flux |") == 1
+
+
+def test_bench_runs_the_other_families(tmp_path):
+    """FLUX.2, Chroma, Qwen-Image, LTX-Video and HunyuanVideo (a few frames): each routed step needs fewer FLOPs."""
+    out = tmp_path / "bench.json"
+    bench_diffusers.main(["--archs", "flux2", "chroma", "qwen", "ltx", "hunyuan", "--width", "64", "--depth", "4",
+                          "--tokens-side", "4", "--frames", "2", "--batch-size", "2", "--rounds", "1", "--steps", "1",
+                          "--threads", str(torch.get_num_threads()), "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert [(r["arch"], r["tokens"]) for r in record["rows"]] == [("flux2", 16), ("chroma", 16), ("qwen", 16),
+                                                                  ("ltx", 32), ("hunyuan", 32)]
+    for row in record["rows"]:
+        assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0

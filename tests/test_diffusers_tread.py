@@ -1,7 +1,7 @@
 """TREAD on diffusers transformers (backbones/diffusers_tread.py): one set of checks per family, on tiny
 random models built offline, each routed forward compared with a reference gathered and scattered here."""
 import functools
-import inspect
+import math
 
 import pytest
 import torch
@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
-from diffusers_tiny import B, blocks_of, build  # noqa: E402
+from diffusers_tiny import B, JOINT_ROPE, PACKED, blocks_of, bound, build, reference_forward  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow")
+FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan", "auraflow")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
@@ -20,74 +20,12 @@ def run(model, inputs):
     return model(**inputs)[0]
 
 
-def bound(module, args, kwargs) -> dict:
-    sig = inspect.signature(module.forward).bind(*args, **kwargs)
-    return dict(sig.arguments)
-
-
-def capture_inputs(module):
-    """A hook that keeps the (bound) keyword inputs of `module`'s latest call."""
-    seen = {}
-    handle = module.register_forward_pre_hook(lambda m, a, k: seen.update(bound(m, a, k)), with_kwargs=True)
-    return seen, handle
-
-
 def capture_image_output(name, block):
     seen = {}
 
     def hook(module, args, output):
-        seen["x"] = output if isinstance(output, torch.Tensor) else output[1]
+        seen["x"] = output if isinstance(output, torch.Tensor) else output[0 if name == "hunyuan" else 1]
     return seen, block.register_forward_hook(hook)
-
-
-def gather_rope_by_hand(name, kw, keep):
-    """The RoPE entries of the kept tokens, written out per sample (text rows first for FLUX)."""
-    if name == "flux":
-        assert all(torch.equal(keep[0], k) for k in keep), "FLUX shares one selection across the batch"
-        text = kw["encoder_hidden_states"].shape[1]
-        return tuple(torch.cat([t[:text], t[text:][keep[0]]]) for t in kw["image_rotary_emb"])
-    if name == "wan":
-        return tuple(torch.stack([t[0, keep[b]] for b in range(keep.shape[0])]) for t in kw["rotary_emb"])
-    return None
-
-
-def reference_forward(name, model, inputs, keep, start, end):
-    """Run the blocks from `start` by hand: gather the kept image tokens (and their RoPE rows) before
-    `start`, scatter them back after `end`; returns the last block's output tokens (AuraFlow: text, then image)."""
-    blocks = blocks_of(name, model)
-    joint = len(model.joint_transformer_blocks) if name == "auraflow" else len(blocks)
-    seen, handle = capture_inputs(blocks[start])
-    with torch.no_grad():
-        run(model, inputs)  # an unrouted pass (the model is in eval mode) gives the inputs of block `start`
-    handle.remove()
-    kw, lead = dict(seen), 0
-    if start >= joint:  # AuraFlow's single-stream blocks: [register tokens + text, image] in one tensor
-        lead = model.register_tokens.shape[1] + inputs["encoder_hidden_states"].shape[1]
-    x_full = seen["hidden_states"][:, lead:]
-    rows = torch.arange(keep.shape[0])[:, None]
-    rope_key = {"flux": "image_rotary_emb", "wan": "rotary_emb"}.get(name)
-    x = torch.cat([seen["hidden_states"][:, :lead], x_full[rows, keep]], 1)
-    for i in range(start, len(blocks)):
-        if i == joint and i > start:  # the model joins text and image before its single-stream blocks
-            lead = kw["encoder_hidden_states"].shape[1]
-            x = torch.cat([kw["encoder_hidden_states"], x], 1)
-            kw = {"temb": kw["temb"]}
-        step = dict(kw, hidden_states=x)
-        if start <= i <= end and rope_key:
-            step[rope_key] = gather_rope_by_hand(name, kw, keep)
-        if start <= i <= end and name == "wan" and kw["temb"].ndim == 4:  # Wan 2.2's per-token timestep
-            step["temb"] = torch.stack([kw["temb"][b, keep[b]] for b in range(keep.shape[0])])
-        out = blocks[i](**step)
-        if isinstance(out, tuple):
-            if out[0] is not None:
-                kw["encoder_hidden_states"] = out[0]
-            out = out[1]
-        x = out
-        if i == end:
-            full = x_full.clone()
-            full[rows, keep] = x[:, lead:]
-            x = torch.cat([x[:, :lead], full], 1)
-    return x
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -116,12 +54,19 @@ def test_off_ratio_zero_eval_no_grad_and_remove_are_bit_identical(name):
 SINGLE_STREAM_ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -2}]}
 
 
-@pytest.mark.parametrize("name,per_token_t,route", [*((n, False, ROUTE) for n in FAMILIES), ("wan", True, ROUTE),
-                                                    ("auraflow", False, SINGLE_STREAM_ROUTE)])
-def test_routed_forward_matches_hand_built_reference(name, per_token_t, route):
-    model, inputs, _ = build(name)
-    if per_token_t:  # Wan 2.2 TI2V: one timestep per token, a per-token embedding in every block
-        inputs["timestep"] = torch.randint(0, 1000, (B, 16))
+@pytest.mark.parametrize("name,variant", [*((n, None) for n in FAMILIES), ("wan", "per_token_t"),
+                                          ("ltx", "per_token_t"), ("auraflow", "single_stream"),
+                                          ("flux2", "single_stream"), ("chroma", "single_stream"),
+                                          ("chroma", "text_mask"), ("hunyuan", "single_stream")])
+def test_routed_forward_matches_hand_built_reference(name, variant):
+    model, inputs, grid = build(name)
+    n = math.prod(grid)
+    if variant == "per_token_t":  # Wan 2.2 TI2V, LTX-Video's conditioning frames: a per-token embedding per block
+        inputs["timestep"] = torch.randint(0, 1000, (B, n))
+    if variant == "text_mask":  # Chroma's mask over [text, image]: the second sample's last two text tokens are padding
+        inputs["attention_mask"] = torch.ones(B, 5 + n, dtype=torch.bool)
+        inputs["attention_mask"][1, 3:5] = False
+    route = SINGLE_STREAM_ROUTE if variant == "single_stream" else ROUTE
     handle = apply_tread(model, route)
     blocks = blocks_of(name, model)
     last, hook = capture_image_output(name, blocks[-1])
@@ -132,36 +77,53 @@ def test_routed_forward_matches_hand_built_reference(name, per_token_t, route):
     start, end = handle.routes[0].start_layer_idx, handle.routes[0].end_layer_idx
     spec = route["routes"][0]
     assert (start, end) == (spec["start_layer_idx"] % len(blocks), spec["end_layer_idx"] % len(blocks))
-    assert keep.shape == (B, 24 // 2 if name == "flux" else 16 // 2)
+    assert keep.shape == (B, n // 2) and not torch.equal(keep[0], keep[1])  # each sample its own tokens
+    assert keep.max() < n  # of the target image: reference-image tokens (Qwen-Image-Edit) are never routed
     model.eval()
     with torch.no_grad():
-        ref = reference_forward(name, model, inputs, keep, start, end)
+        ref = reference_forward(name, model, inputs, keep, start, end, n)
         torch.testing.assert_close(last["x"], ref, rtol=1e-5, atol=1e-5)
         # the unrouted last block differs: the check can tell routed from unrouted
-        every = torch.arange(24 if name == "flux" else 16).expand(B, -1)
-        assert not torch.allclose(reference_forward(name, model, inputs, every, start, end), ref, atol=1e-4)
+        every = torch.arange(n).expand(B, -1)
+        assert not torch.allclose(reference_forward(name, model, inputs, every, start, end, n), ref, atol=1e-4)
 
 
 def rope_tables_seen(name, model):
     """Hooks on every block's self-attention that keep the RoPE table it is given, per block."""
     seen, hooks = {}, []
     for i, block in enumerate(blocks_of(name, model)):
-        attn = block.attn if name == "flux" else block.attn1
+        attn = block.attn1 if hasattr(block, "attn1") else block.attn
 
         def hook(module, args, kwargs, i=i):
-            seen[i] = kwargs["image_rotary_emb"] if name == "flux" else args[3]
+            seen[i] = kwargs["image_rotary_emb"] if "image_rotary_emb" in kwargs else args[3]
         hooks.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
     return seen, hooks
 
 
 def angles_match(name, table, full, keep, text):
     """Each kept token's rotary angles in a routed block equal those of its original position."""
-    if name == "flux":
-        return torch.equal(table[:text], full[:text]) and torch.equal(table[text:], full[text:][keep[0]])
+    if name in JOINT_ROPE:  # the routed block's table is per sample: [B, text + K, 1, head_dim]
+        table = table[None, :, None, :]
+        return all(torch.equal(table[b, :text, 0], full[:text])
+                   and torch.equal(table[b, text:, 0], full[text:][keep[b]]) for b in range(keep.shape[0]))
+    if name.startswith("qwen"):  # complex [B, K + R, 1, head_dim / 2]: kept target rows, then the references'
+        if isinstance(table, torch.Tensor):  # the text's table passes whole
+            return torch.equal(table, full)
+        table, k = table.unsqueeze(1)[:, :, 0], keep.shape[1]
+        n = full.shape[0] - (table.shape[1] - k)
+        return all(torch.equal(table[b, :k], full[keep[b]]) and torch.equal(table[b, k:], full[n:])
+                   for b in range(keep.shape[0]))
+    if name == "hunyuan":  # the video's rows only, [B, K, 1, head_dim]
+        table = table[None, :, None, :]
+        return all(torch.equal(table[b, :, 0], full[keep[b]]) for b in range(keep.shape[0]))
+    if name == "ltx":  # per sample already: [B, K, dim] from [B, N, dim]
+        return all(torch.equal(table[b], full[b, keep[b]]) for b in range(keep.shape[0]))
     return all(torch.equal(table[b, :, 0], full[0, keep[b], 0]) for b in range(keep.shape[0]))
 
 
-@pytest.mark.parametrize("name,frames", [("flux", None), ("wan", 1), ("wan", 3)])
+@pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
+                                         ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3),
+                                         ("hunyuan", 1), ("hunyuan", 3)])
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
@@ -177,6 +139,7 @@ def test_rope_each_kept_token_keeps_its_angles(name, frames):
     shuffled = keep[:, torch.randperm(keep.shape[1])]
     for i, (cos, sin) in seen.items():
         if r.start_layer_idx <= i <= r.end_layer_idx:
+            assert not torch.equal(keep[0], keep[1])  # each sample its own tokens and angles
             assert angles_match(name, cos, full[i][0], keep, text) and angles_match(name, sin, full[i][1], keep, text)
             assert not angles_match(name, cos, full[i][0], shuffled, text)
         else:
@@ -194,14 +157,19 @@ def input_grads(name, model, inputs):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_token_and_parameter_gets_a_gradient(name):
     model, inputs, _ = build(name)
-    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.7, "start_layer_idx": 0, "end_layer_idx": -1}]})
     model.train()
+    input_grads(name, model, inputs)
+    # Qwen-Image's last block computes a text stream the model never reads: no gradient, routed or not
+    unrouted = {n for n, p in model.named_parameters() if p.grad is None}
+    assert not unrouted or name.startswith("qwen") and all(n.startswith("transformer_blocks.2.") for n in unrouted)
+    model.zero_grad(set_to_none=True)
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.7, "start_layer_idx": 0, "end_layer_idx": -1}]})
     grad = input_grads(name, model, inputs)
-    per_position = grad.abs().sum(-1 if name == "flux" else 1)  # per token (FLUX) or per latent pixel
+    per_position = grad.abs().sum(-1 if name in PACKED else 1)  # per token (FLUX) or per latent pixel
     assert (per_position > 0).all()
     assert handle.last_keep[0].shape[1] < per_position.flatten(1).shape[1]  # tokens were dropped
-    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not unused, f"parameters without a gradient (DDP would stop): {unused}"
+    unused = {n for n, p in model.named_parameters() if p.grad is None}
+    assert unused == unrouted, f"parameters without a gradient only when routed (DDP would stop): {unused - unrouted}"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -247,13 +215,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(name, checkpoint_func):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(3)
         g = input_grads(name, model, inputs)
-        return g, {n: p.grad.clone() for n, p in model.named_parameters()}, handle.last_keep[0]
+        return g, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, handle.last_keep[0]
 
     g0, p0, k0 = grads()
     model.enable_gradient_checkpointing(checkpoint_func)
     g1, p1, k1 = grads()
     assert torch.equal(k0, k1)
     torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+    assert p1.keys() == p0.keys()
     for n in p0:
         torch.testing.assert_close(p1[n], p0[n], rtol=1e-5, atol=1e-6, msg=n)
     handle.remove()
@@ -267,8 +236,8 @@ def test_masked_tokens_are_never_dropped(name, how):
     model, inputs, grid = build(name)
     handle = apply_tread(model, {"routes": [{"selection_ratio": 0.75, "start_layer_idx": 0, "end_layer_idx": 1}]})
     image = (B, *[2 * g for g in grid]) if name != "wan" else (B, *grid[:1], *[2 * g for g in grid[1:]])
-    if name == "flux":
-        image = (B, *grid)  # FLUX's packed latents: one mask pixel per token
+    if name in PACKED:
+        image = (B, *grid)  # packed latents: one mask pixel per token
     mask = torch.rand(image) < 0.15
     model.train()
     for _ in range(3):
@@ -278,8 +247,8 @@ def test_masked_tokens_are_never_dropped(name, how):
         else:
             run(model, dict(inputs, tread_mask=mask))
         keep = handle.last_keep[0]
-        pooled = torch.nn.functional.adaptive_max_pool3d(mask[:, None].float(), (grid if len(grid) == 3 else (1, *grid)))
-        tokens = pooled.flatten(1).bool() if name != "flux" else mask.flatten(1)
+        pooled = torch.nn.functional.adaptive_max_pool3d(mask[:, None].float(), grid if len(grid) == 3 else (1, *grid))
+        tokens = pooled.flatten(1).bool() if name not in PACKED else mask.flatten(1)
         kept = torch.zeros_like(tokens).scatter(1, keep, True)
         assert tokens.any() and (kept | ~tokens).all()
 
@@ -294,7 +263,7 @@ def test_masked_loss_weights_the_loss_by_the_mask():
     assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3"])
 def test_negative_indices_count_from_the_last_block(name):
     model, inputs, _ = build(name)
     blocks = blocks_of(name, model)
@@ -354,6 +323,29 @@ def test_applied_twice_and_controlnet_residuals_are_refused():
     assert functools.reduce(lambda a, m: a and not m._forward_hooks, model.modules(), True)
 
 
+@pytest.mark.parametrize("name,argument,value", [("flux", "controlnet_single_block_samples", [torch.zeros(B, 24, 16)]),
+                                                 ("flux2", "kv_cache_mode", "extract"),
+                                                 ("chroma", "controlnet_block_samples", [torch.zeros(B, 24, 16)]),
+                                                 ("qwen", "controlnet_block_samples", [torch.zeros(B, 24, 16)]),
+                                                 ("qwen", "img_shapes", [[(1, 24)]] * B)])
+def test_unsupported_forward_arguments_are_refused_in_one_line(name, argument, value):
+    model, inputs, _ = build(name)
+    apply_tread(model, ROUTE)
+    model.train()
+    with pytest.raises(UserError, match=f"given {argument}|from {argument}") as err:
+        run(model, dict(inputs, **{argument: value}))
+    assert "\n" not in str(err.value)
+
+
+def test_hunyuan_video_token_replace_is_refused_in_one_line():
+    model, inputs, _ = build("hunyuan", image_condition_type="token_replace")
+    apply_tread(model, ROUTE)
+    model.train()
+    with pytest.raises(UserError, match="image_condition_type='token_replace'") as err:
+        run(model, inputs)
+    assert "\n" not in str(err.value)
+
+
 def test_ddp_without_find_unused_parameters_trains_routed_steps(tmp_path):
     """One gloo process: DDP's reducer stops at the next step if a parameter got no gradient in the last one."""
     import torch.distributed as dist
@@ -368,3 +360,16 @@ def test_ddp_without_find_unused_parameters_trains_routed_steps(tmp_path):
             ddp(**inputs)[0].square().mean().backward()
     finally:
         dist.destroy_process_group()
+
+
+def test_flux_force_keep_is_per_sample():
+    """Each sample forces its own 8 tokens: 8 are kept per sample, not the batch's union of 16."""
+    model, inputs, (h, w) = build("flux")
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.75, "start_layer_idx": 0, "end_layer_idx": 1}]})
+    mask = torch.zeros(B, h * w, dtype=torch.bool)
+    mask[0, :8], mask[1, 8:16] = True, True
+    model.train()
+    run(model, dict(inputs, tread_mask=mask))
+    keep = handle.last_keep[0]
+    assert keep.shape == (B, 8)
+    assert all(set(keep[b].tolist()) == set(mask[b].nonzero()[:, 0].tolist()) for b in range(B))

@@ -45,10 +45,10 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
     return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
 
 
-def image_ids(h: int, w: int) -> torch.Tensor:
-    ids = torch.zeros(h, w, 3)
+def image_ids(h: int, w: int, axes: int = 3) -> torch.Tensor:
+    ids = torch.zeros(h, w, axes)
     ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None]
-    return ids.reshape(-1, 3)
+    return ids.reshape(-1, axes)
 
 
 def random_flux(channels: int, width: int, heads: int, dual: int, single: int, text_dim: int, seed: int = 0):
@@ -73,23 +73,45 @@ def random_sd3(channels: int, width: int, heads: int, depth: int, text_dim: int,
                                  pos_embed_max_size=resolution // 2)
 
 
+def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor, t: torch.Tensor) -> dict:
+    """The forward keywords of noisy latents `x_t` at times `t` in [0, 1]: SD3 takes latents and t * 1000; FLUX,
+    FLUX.2, Chroma and Qwen-Image packed tokens of a square-ish grid, with their position inputs, and t; LTX-Video
+    video latents as tokens; HunyuanVideo video latents."""
+    name = type(model).__name__
+    if name == "LTXVideoTransformer3DModel":  # video latents [B, C, F, H, W] as tokens (patch 1), t * 1000
+        frames, rows, columns = x_t.shape[2:]
+        return dict(hidden_states=x_t.flatten(2).transpose(1, 2), encoder_hidden_states=text, timestep=t * 1000,
+                    encoder_attention_mask=text.new_ones(text.shape[:2]), num_frames=frames, height=rows,
+                    width=columns)
+    if name == "SD3Transformer2DModel":
+        return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000)
+    if name == "HunyuanVideoTransformer3DModel":  # video latents [B, C, F, H, W] as they are, t * 1000
+        return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000,
+                    encoder_attention_mask=text.new_ones(text.shape[:2]))
+    rows = int(round(x_t.shape[1] ** 0.5))
+    columns = x_t.shape[1] // rows
+    if name == "QwenImageTransformer2DModel":
+        return dict(hidden_states=x_t, encoder_hidden_states=text, timestep=t,
+                    img_shapes=[[(1, rows, columns)]] * len(t))
+    axes = len(model.config.axes_dims_rope)
+    inputs = dict(hidden_states=x_t, encoder_hidden_states=text, timestep=t,
+                  img_ids=image_ids(rows, columns, axes).to(x_t.device), txt_ids=text.new_zeros(text.shape[1], axes))
+    if name == "FluxTransformer2DModel":
+        guidance = torch.ones_like(t) if model.config.guidance_embeds else None  # FLUX.1-dev
+        inputs.update(pooled_projections=pooled, guidance=guidance)
+    return inputs
+
+
 def flow_matching_loss(model, latents: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
     """Rectified flow as FLUX and SD3 train: x_t = (1 - t) x0 + t noise with t from a logit-normal, the
-    model predicts the velocity noise - x0. FLUX takes packed tokens and t in [0, 1]; SD3 latents, t * 1000."""
+    model predicts the velocity noise - x0."""
     b = latents.shape[0]
     t = torch.sigmoid(torch.randn(b, device=latents.device))
     noise = torch.randn_like(latents)
     x_t = (1 - t.view(-1, *[1] * (latents.ndim - 1))) * latents + t.view(-1, *[1] * (latents.ndim - 1)) * noise
-    if type(model).__name__ == "FluxTransformer2DModel":
-        side = int(round(latents.shape[1] ** 0.5))
-        guidance = torch.ones(b, device=latents.device) if model.config.guidance_embeds else None  # FLUX.1-dev
-        pred = model(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t,
-                     guidance=guidance,
-                     img_ids=image_ids(side, latents.shape[1] // side).to(latents.device),
-                     txt_ids=torch.zeros(text.shape[1], 3, device=latents.device), return_dict=False)[0]
-    else:
-        pred = model(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000,
-                     return_dict=False)[0]
+    pred = model(**model_inputs(model, x_t, text, pooled, t), return_dict=False)[0]
+    if pred.shape != latents.shape:  # tokens [B, N, C] of latents [B, C, *grid] (LTX-Video)
+        pred = pred.transpose(1, 2).reshape(latents.shape)
     return (pred.float() - (noise - latents).float()).square().mean()
 
 
