@@ -1,0 +1,122 @@
+"""The route probe (tools/route_probe.py) on tiny models: a DiT exported folder trained for nothing (random
+weights, the digits at 8 x 8) and a tiny FLUX-architecture transformer built from its config."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dit import get_model
+from tools.diffusers_toy import random_flux
+from tools.route_probe import main
+from tools.route_probe_report import pareto_front, suggest
+from training.exported import write_export
+
+REPO_ARGS = dict(capture_output=True, text=True, timeout=120)
+RUN_CFG = {"model": {"backbone_type": "DiT-T/4",
+                     "params": {"depth": 6, "hidden_size": 32, "num_heads": 2, "input_size": 8, "in_channels": 1,
+                                "num_classes": 10, "enable_routing": False, "routes": []}},
+           "diffuser": {"name": "edm", "P_mean": -1.2, "P_std": 1.2, "sigma_data": 0.64},
+           "dataset": {"name": "digits", "kind": "digits", "in_channels": 1, "input_size": 8, "num_classes": 10},
+           "train": {"general": {"class_drop_prob": 0.1}}}
+SMALL = ["--batches", "2", "--batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def dit_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    model = get_model(RUN_CFG["model"]["backbone_type"], RUN_CFG["model"]["params"])
+    return write_export(model, RUN_CFG, 0, tmp_path_factory.mktemp("probe") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def flux_inputs(tmp_path_factory):
+    """A config-only FLUX folder (random weights at probe time) and its inputs: 16 packed tokens per sample."""
+    root = tmp_path_factory.mktemp("flux")
+    random_flux(1, 32, 2, 1, 2, 16).save_config(root / "transformer")
+    g = torch.Generator().manual_seed(0)
+    torch.save({"latents": torch.randn(8, 16, 4, generator=g), "text": torch.randn(8, 5, 16, generator=g),
+                "pooled": torch.randn(8, 16, generator=g)}, root / "inputs.pt")
+    return root
+
+
+def probe(folder, out, *extra):
+    return main([str(folder), "--out", str(out), *SMALL, *extra])
+
+
+def by_route(result):
+    return {r["route"]: r for r in result["routes"]}
+
+
+def test_ratio_zero_has_exactly_zero_damage(dit_folder, tmp_path):
+    rows = by_route(probe(dit_folder, tmp_path, "--routes", "1:3:0,0:4:0,1:3:0.5"))
+    for name in ("1->3 @ 0", "0->4 @ 0"):
+        assert rows[name]["damage"] == 0.0 and rows[name]["damage_ci"] == [0.0, 0.0]
+        assert rows[name]["flop_speedup_bound"] == 1.0 and rows[name]["activation_memory_fraction"] == 1.0
+    assert rows["1->3 @ 0.5"]["damage"] != 0.0  # a route that drops tokens changes the loss
+    assert rows["1->3 @ 0.5"]["flop_speedup_bound"] > 1.0
+
+
+def test_flux_ratio_zero_has_exactly_zero_damage(flux_inputs, tmp_path):
+    result = main([str(flux_inputs / "transformer"), "--data", str(flux_inputs / "inputs.pt"), "--out", str(tmp_path),
+                   "--batches", "2", "--batch-size", "4", "--routes", "0:1:0,1:2:0.5"])
+    rows = by_route(result)
+    assert result["depth"] == 3 and len(result["block_similarity"]) == 3
+    assert rows["0->1 @ 0"]["damage"] == 0.0 and rows["0->1 @ 0"]["flop_speedup_bound"] == 1.0
+    assert rows["1->2 @ 0.5"]["damage"] != 0.0 and rows["1->2 @ 0.5"]["flop_speedup_bound"] > 1.0
+    assert 0 < rows["1->2 @ 0.5"]["activation_memory_fraction"] < 1
+
+
+def test_deterministic_for_a_seed(dit_folder, tmp_path):
+    routes = ["--routes", "1:3:0.5,0:2:0.25"]
+    first = probe(dit_folder, tmp_path / "a", *routes)
+    again = probe(dit_folder, tmp_path / "b", *routes)
+    other = probe(dit_folder, tmp_path / "c", *routes, "--seed", "1")
+    keys = ("loss", "damage", "damage_ci", "flop_speedup_bound")
+    assert [[r[k] for k in keys] for r in first["routes"]] == [[r[k] for k in keys] for r in again["routes"]]
+    assert first["block_similarity"] == again["block_similarity"]
+    assert first["routes"][0]["damage"] != other["routes"][0]["damage"]
+    saved = json.loads((tmp_path / "a" / "probe.json").read_text())
+    assert saved["routes"] == first["routes"] and (tmp_path / "a" / "probe.png").stat().st_size > 0
+
+
+def test_suggestion_meets_the_target(dit_folder, tmp_path):
+    result = probe(dit_folder, tmp_path, "--target-speedup", "1.3")
+    meeting = [r for r in result["routes"] if r["flop_speedup_bound"] >= 1.3]
+    assert meeting and len(meeting) < len(result["routes"])  # the target excludes some of the default grid
+    chosen = by_route(result)[result["suggestion"]]
+    assert chosen["flop_speedup_bound"] >= 1.3
+    assert chosen["damage"] == min(r["damage"] for r in meeting)
+    assert "Suggested route" in (tmp_path / "probe.md").read_text()
+    memory = probe(dit_folder, tmp_path / "m", "--target-memory", "0.7")
+    assert by_route(memory)[memory["suggestion"]]["activation_memory_fraction"] <= 0.7
+    assert probe(dit_folder, tmp_path / "x", "--routes", "1:3:0.5", "--target-speedup", "9")["suggestion"] is None
+
+
+def test_pareto_front_and_suggestion_on_known_rows():
+    rows = [{"route": "a", "flop_speedup_bound": 1.2, "damage": 0.1, "activation_memory_fraction": 0.8},
+            {"route": "b", "flop_speedup_bound": 1.5, "damage": 0.3, "activation_memory_fraction": 0.6},
+            {"route": "c", "flop_speedup_bound": 1.4, "damage": 0.4, "activation_memory_fraction": 0.7},
+            {"route": "d", "flop_speedup_bound": 1.0, "damage": 0.0, "activation_memory_fraction": 1.0}]
+    assert pareto_front(rows) == {0, 1, 3}
+    assert suggest(rows, 1.3)["route"] == "b" and suggest(rows, None, 0.75)["route"] == "b"
+    assert suggest(rows, 1.6) is None
+
+
+@pytest.mark.parametrize("args, words", [
+    (["/nonexistent/run"], "does not exist"),
+    (["{dit}", "--routes", "2:8"], "START:END:RATIO"),
+    (["{dit}", "--routes", "0:9:0.5"], "outside a model of depth 6"),
+    (["{dit}", "--target-speedup", "0.5"], "--target-speedup"),
+    (["{dit}", "--batches", "0"], "--batches"),
+    (["{flux}"], "--data"),
+])
+def test_bad_arguments_give_one_line(dit_folder, flux_inputs, tmp_path, args, words):
+    args = [a.format(dit=dit_folder, flux=flux_inputs / "transformer") for a in args]
+    done = subprocess.run([sys.executable, "-m", "tools.route_probe", *args, "--out", str(tmp_path / "out")],
+                          **REPO_ARGS)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), done.stderr
+    assert words in lines[0] and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
