@@ -10,10 +10,11 @@ import torch
 from dit import get_model
 from tools.diffusers_toy import random_flux
 from tools.route_probe import main
-from tools.route_probe_report import pareto_front, suggest
+from tools.route_probe_measure import Candidate, default_candidates
+from tools.route_probe_report import annotate, pareto_front, suggest, suggestion_line
 from training.exported import write_export
+from tread_utils.errors import report_user_errors
 
-REPO_ARGS = dict(capture_output=True, text=True, timeout=120)
 RUN_CFG = {"model": {"backbone_type": "DiT-T/4",
                      "params": {"depth": 6, "hidden_size": 32, "num_heads": 2, "input_size": 8, "in_channels": 1,
                                 "num_classes": 10, "enable_routing": False, "routes": []}},
@@ -82,16 +83,23 @@ def test_deterministic_for_a_seed(dit_folder, tmp_path):
 
 
 def test_suggestion_meets_the_target(dit_folder, tmp_path):
-    result = probe(dit_folder, tmp_path, "--target-speedup", "1.3")
+    result = probe(dit_folder, tmp_path, "--target-speedup", "1.3", "--routes", "0:1:0.25,1:3:0.5,1:4:0.75,3:5:0.5,0:5:0.5")
     meeting = [r for r in result["routes"] if r["flop_speedup_bound"] >= 1.3]
-    assert meeting and len(meeting) < len(result["routes"])  # the target excludes some of the default grid
+    assert meeting and len(meeting) < len(result["routes"])  # the target excludes some routes
     chosen = by_route(result)[result["suggestion"]]
     assert chosen["flop_speedup_bound"] >= 1.3
     assert chosen["damage"] == min(r["damage"] for r in meeting)
     assert "Suggested route" in (tmp_path / "probe.md").read_text()
-    memory = probe(dit_folder, tmp_path / "m", "--target-memory", "0.7")
+    memory = annotate(result, None, 0.7)
     assert by_route(memory)[memory["suggestion"]]["activation_memory_fraction"] <= 0.7
-    assert probe(dit_folder, tmp_path / "x", "--routes", "1:3:0.5", "--target-speedup", "9")["suggestion"] is None
+    assert annotate(result, 9.0)["suggestion"] is None and "No candidate meets" in suggestion_line(result)
+
+
+def test_default_grid_from_the_depth():
+    grid = default_candidates(12)
+    assert {(c.start, c.end) for c in grid} == {(s, e) for s in (0, 2, 3) for e in (6, 8, 10)}
+    assert Candidate(2, 8, 0.5) in grid and {c.ratio for c in grid} == {0.25, 0.5, 0.75}
+    assert all(0 <= c.start <= c.end < 4 for c in default_candidates(4))
 
 
 def test_pareto_front_and_suggestion_on_known_rows():
@@ -111,12 +119,46 @@ def test_pareto_front_and_suggestion_on_known_rows():
     (["{dit}", "--target-speedup", "0.5"], "--target-speedup"),
     (["{dit}", "--batches", "0"], "--batches"),
     (["{flux}"], "--data"),
+    (["{flux}", "--data", "{inputs}", "--batch-size", "99"], "fewer than --batches x --batch-size"),
 ])
-def test_bad_arguments_give_one_line(dit_folder, flux_inputs, tmp_path, args, words):
-    args = [a.format(dit=dit_folder, flux=flux_inputs / "transformer") for a in args]
-    done = subprocess.run([sys.executable, "-m", "tools.route_probe", *args, "--out", str(tmp_path / "out")],
-                          **REPO_ARGS)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), done.stderr
-    assert words in lines[0] and "Traceback" not in done.stderr
+def test_bad_arguments_give_one_line(dit_folder, flux_inputs, tmp_path, capsys, args, words):
+    args = [a.format(dit=dit_folder, flux=flux_inputs / "transformer", inputs=flux_inputs / "inputs.pt") for a in args]
+    with pytest.raises(SystemExit) as stop:
+        report_user_errors(main)([*args, "--out", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_arguments_from_the_command_line(dit_folder, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tools.route_probe", str(dit_folder), "--routes", "4:1:0.5",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "comes after end block" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_spearman_exact_permutation_p():
+    from scipy import stats
+
+    from tools.route_probe_validate import spearman_exact
+
+    assert spearman_exact([1, 2, 3, 4, 5], [10, 20, 30, 40, 50]) == (pytest.approx(1.0), pytest.approx(2 / 120))
+    x, y = [0.3, 0.1, 0.5, 0.2, 0.9, 0.4], [3.0, 1.0, 2.0, 6.0, 5.0, 4.0]
+    rho, p = spearman_exact(x, y)
+    assert rho == pytest.approx(stats.spearmanr(x, y)[0]) and 0.05 < p < 1
+
+
+def test_docs_tables_are_the_validation_json():
+    """docs/route_probe.md quotes the committed validation as printed."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    found = json.loads((repo / "docs/results/route_probe/validation/validation.json").read_text())
+    doc = (repo / "docs/route_probe.md").read_text()
+    for r in found["placement"]:
+        assert f"| {r['step']} | {r['rho']:.3f} | {r['p']:.3f} | {r['rho_speedup']:.3f} | {r['p_speedup']:.3f} |" in doc
+    for r in found["ratio"]:
+        assert r["ratios"] == [0.25, 0.5, 0.75] and r["damage_rises"]
+        assert f"| {r['step']} | " + " | ".join(f"{d:+.3f}" for d in r["damage"]) + " |" in doc
+        assert "| final FID of the sweep | " + " | ".join(f"{f:.2f}" for f in r["fid"]) + " |" in doc

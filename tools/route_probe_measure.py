@@ -25,7 +25,7 @@ from dit import get_model
 from routing_module import TokenRouter, as_routes
 from tools.diffusers_toy import flow_matching_loss
 from training.checkpoint import build_objective, load_model_state, read_checkpoint, resolve_checkpoint
-from training.flops import routing_flop_report, tokens_per_block
+from training.flops import activation_memory_fraction, tokens_per_block, training_step_flops
 from tread_utils.errors import UserError
 
 CONFIDENCE = 0.95
@@ -79,6 +79,7 @@ class DiTSubject:
         self.description = f"{self.backbone_type} ({diffuser.name}), {weights} weights, step {self.step}"
         self.dataset_cfg = OmegaConf.create(cfg.get("dataset") or {})
         self.data = data
+        self.dense_flops = None
 
     def samples(self, count: int, seed: int):
         """`count` (inputs, labels) of the run's training data (or the shards at `data`), a seeded choice."""
@@ -113,10 +114,12 @@ class DiTSubject:
         return args[0], output
 
     def cost(self, candidate) -> dict:
+        """What `python -m training.flops` reports for the route, per sample; the dense count once."""
         params = dict(self.params, routes=[candidate.as_route()], enable_routing=True)
-        report = routing_flop_report(self.backbone_type, params, 1)
-        return {"flop_speedup_bound": report["flop_speedup_bound"],
-                "activation_memory_fraction": report["activation_memory_fraction"]}
+        if self.dense_flops is None:
+            self.dense_flops = training_step_flops(self.backbone_type, params, 1, routing=False)
+        return {"flop_speedup_bound": self.dense_flops / training_step_flops(self.backbone_type, params, 1),
+                "activation_memory_fraction": activation_memory_fraction(self.backbone_type, params)}
 
     def train_step(self, batch, seed: int, candidate) -> None:
         self.model.requires_grad_(True)
