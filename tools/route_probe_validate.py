@@ -119,12 +119,16 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m tools.route_probe_validate", description=__doc__.split("\n\n")[0])
     p.add_argument("probes", nargs="+", help="probe.json files written by python -m tools.route_probe")
     p.add_argument("--out", required=True, help="folder for validation.json and validation.md")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
     probes = []
     for path in map(Path, args.probes):
         if not path.is_file():
