@@ -162,3 +162,24 @@ def test_docs_tables_are_the_validation_json():
         assert r["ratios"] == [0.25, 0.5, 0.75] and r["damage_rises"]
         assert f"| {r['step']} | " + " | ".join(f"{d:+.3f}" for d in r["damage"]) + " |" in doc
         assert "| final FID of the sweep | " + " | ".join(f"{f:.2f}" for f in r["fid"]) + " |" in doc
+
+
+def test_finetune_check_runs_accumulate_in_chunks(tmp_path):
+    """The fine-tuning check's runs at equal FLOPs: a route trains budget x its FLOP bound steps, and runs from
+    several commands (one route each) end in one table."""
+    from tools import route_probe_finetune
+
+    route_probe_finetune.main(["pretrain", "--out", str(tmp_path), "--steps", "1"])
+    args = ["lora", "--model", str(tmp_path / "transformer"), "--seeds", "0", "--budget", "2", "--batch-size", "4",
+            "--out", str(tmp_path / "ft")]
+    route_probe_finetune.main([*args, "--routes", "2:10:0.5"])
+    route_probe_finetune.main([*args, "--routes", "3:8:0"])
+    saved = json.loads((tmp_path / "ft" / "finetune.json").read_text())
+    routed, unrouted = saved["runs"]
+    assert (routed["route"], unrouted["route"]) == ("2->10 @ 0.5", "3->8 @ 0") and len(saved["commands"]) == 2
+    assert routed["flop_speedup_bound"] > 1.2 and routed["steps"] == round(2 * routed["flop_speedup_bound"]) > 2
+    assert unrouted["flop_speedup_bound"] == 1.0 and unrouted["steps"] == 2
+    assert unrouted["eval_loss_after"] != unrouted["eval_loss_before"]  # the LoRA weights moved
+    table = (tmp_path / "ft" / "finetune.md").read_text()
+    assert "| 2->10 @ 0.5 |" in table and "| 3->8 @ 0 |" in table
+    assert torch.load(tmp_path / "inputs.pt")["latents"].shape[1:] == (64, 4)

@@ -95,13 +95,13 @@ class DiTSubject:
         items = [dataset[int(i)] for i in order]
         return torch.stack([item[0] for item in items]).float(), torch.tensor([int(item[1]) for item in items])
 
-    def _set_route(self, candidate):
+    def set_route(self, candidate):
         routes = as_routes([candidate.as_route()] if candidate else [], self.depth)
         self.model.router = TokenRouter(routes, True, self.fp32_after_route)
 
     def losses(self, batch, seed: int, candidate) -> torch.Tensor:
         """Per-sample training loss [B], routed by `candidate` (None: unrouted) in training mode."""
-        self._set_route(candidate)
+        self.set_route(candidate)
         self.net.train()
         images, labels = batch
         torch.manual_seed(seed)
@@ -153,7 +153,7 @@ class DiffusersSubject:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]
         return tuple(self.tensors[k][order].float() for k in ("latents", "text", "pooled"))
 
-    def _set_route(self, candidate):
+    def set_route(self, candidate):
         if self.handle is not None:
             self.handle.remove()
         self.handle = apply_tread(self.model, {"routes": [candidate.as_route()]}) if candidate else None
@@ -161,7 +161,7 @@ class DiffusersSubject:
     def losses(self, batch, seed: int, candidate) -> torch.Tensor:
         """Per-sample flow-matching loss [B]: apply_tread routes only with gradients enabled, so the forward runs
         under enable_grad with every weight frozen (no graph is built)."""
-        self._set_route(candidate)
+        self.set_route(candidate)
         self.model.train()
         out = []
         with torch.enable_grad():
@@ -180,7 +180,7 @@ class DiffusersSubject:
         return hidden[:, hidden.shape[1] - out.shape[1]:] if hidden.shape[1] != out.shape[1] else hidden, out
 
     def _forward_flops(self, batch, candidate) -> int:
-        self._set_route(candidate)
+        self.set_route(candidate)
         self.model.train()
         with torch.enable_grad(), FlopCounterMode(display=False) as counter:
             flow_matching_loss(self.model, *(t[:1] for t in batch))
@@ -204,7 +204,7 @@ class DiffusersSubject:
         return (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
 
     def train_step(self, batch, seed: int, candidate) -> None:
-        self._set_route(candidate)
+        self.set_route(candidate)
         self.model.train()
         self.model.requires_grad_(True)
         try:
@@ -301,7 +301,7 @@ def measure(subject, candidates, batch_count: int, batch_size: int, seed: int, t
         progress(f"[{i + 1}/{len(candidates)}] {candidate.name}: speed-up bound {row['flop_speedup_bound']:.3f}x, "
                  f"damage {row['damage']:+.5f} [{row['damage_ci'][0]:+.5f}, {row['damage_ci'][1]:+.5f}]")
     if subject.kind == "diffusers":
-        subject._set_route(None)
+        subject.set_route(None)
     mean_dense, _ = interval(dense)
     return {"model": subject.description, "source": subject.source, "depth": subject.depth,
             "samples": batch_count * batch_size, "batches": batch_count, "batch_size": batch_size, "seed": seed,
