@@ -1,6 +1,7 @@
 """The route probe (tools/route_probe.py) on tiny models: a DiT exported folder trained for nothing (random
 weights, the digits at 8 x 8) and a tiny FLUX-architecture transformer built from its config."""
 import json
+import statistics
 import subprocess
 import sys
 
@@ -183,3 +184,20 @@ def test_finetune_check_runs_accumulate_in_chunks(tmp_path):
     table = (tmp_path / "ft" / "finetune.md").read_text()
     assert "| 2->10 @ 0.5 |" in table and "| 3->8 @ 0 |" in table
     assert torch.load(tmp_path / "inputs.pt")["latents"].shape[1:] == (64, 4)
+
+
+def test_docs_finetune_table_is_the_committed_runs():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    runs = json.loads((repo / "docs/results/route_probe/finetune/finetune.json").read_text())["runs"]
+    probe = by_route(json.loads((repo / "docs/results/route_probe/finetune_probe/probe.json").read_text()))
+    doc = (repo / "docs/route_probe.md").read_text()
+    for name, label in (("3->8 @ 0.75", "3 -> 8 at 0.75"), ("2->10 @ 0.5", "2 -> 10 at 0.5"),
+                        ("3->8 @ 0.4", "3 -> 8 at 0.4"), ("0->0 @ 0", "no routing")):
+        after = [r["eval_loss_after"] for r in runs if r["route"] == name]
+        assert len(after) == 3
+        line = next(line for line in doc.splitlines() if line.startswith(f"| {label}"))
+        assert f"| {statistics.mean(after):.4f} ± {statistics.stdev(after):.4f} |" in line
+        if name != "0->0 @ 0":
+            assert f"| {probe[name]['damage']:+.3f} |" in line
