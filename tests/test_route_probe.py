@@ -52,22 +52,25 @@ def by_route(result):
 
 
 def test_ratio_zero_has_exactly_zero_damage(dit_folder, tmp_path):
-    rows = by_route(probe(dit_folder, tmp_path, "--routes", "1:3:0,0:4:0,1:3:0.5"))
+    rows = by_route(probe(dit_folder, tmp_path, "--routes", "1:3:0,0:4:0,1:3:0.5", "--time-steps", "1"))
     for name in ("1->3 @ 0", "0->4 @ 0"):
         assert rows[name]["damage"] == 0.0 and rows[name]["damage_ci"] == [0.0, 0.0]
         assert rows[name]["flop_speedup_bound"] == 1.0 and rows[name]["activation_memory_fraction"] == 1.0
     assert rows["1->3 @ 0.5"]["damage"] != 0.0  # a route that drops tokens changes the loss
     assert rows["1->3 @ 0.5"]["flop_speedup_bound"] > 1.0
+    assert all(r["step_ms"] > 0 and r["unrouted_step_ms"] > 0 and r["measured_speedup"] > 0 for r in rows.values())
+    assert "| measured speed-up |" in (tmp_path / "probe.md").read_text()
 
 
 def test_flux_ratio_zero_has_exactly_zero_damage(flux_inputs, tmp_path):
     result = main([str(flux_inputs / "transformer"), "--data", str(flux_inputs / "inputs.pt"), "--out", str(tmp_path),
-                   "--batches", "2", "--batch-size", "4", "--routes", "0:1:0,1:2:0.5"])
+                   "--batches", "2", "--batch-size", "4", "--routes", "0:1:0,1:2:0.5", "--time-steps", "1"])
     rows = by_route(result)
     assert result["depth"] == 3 and len(result["block_similarity"]) == 3
     assert rows["0->1 @ 0"]["damage"] == 0.0 and rows["0->1 @ 0"]["flop_speedup_bound"] == 1.0
     assert rows["1->2 @ 0.5"]["damage"] != 0.0 and rows["1->2 @ 0.5"]["flop_speedup_bound"] > 1.0
     assert 0 < rows["1->2 @ 0.5"]["activation_memory_fraction"] < 1
+    assert rows["1->2 @ 0.5"]["step_ms"] > 0 and rows["1->2 @ 0.5"]["measured_speedup"] > 0
 
 
 def test_deterministic_for_a_seed(dit_folder, tmp_path):

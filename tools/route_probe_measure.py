@@ -272,15 +272,17 @@ def damage(subject, data, seed: int, candidate, dense: torch.Tensor) -> dict:
             "relative_damage": mean / base if base else float("nan")}
 
 
-def step_time(subject, batch, seed: int, candidate, steps: int) -> float:
-    """Median seconds of a forward + backward of the training loss (no optimizer), after one warm-up step."""
-    subject.train_step(batch, seed, candidate)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        subject.train_step(batch, seed, candidate)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def step_times(subject, batch, seed: int, candidate, steps: int) -> tuple:
+    """Median seconds of a forward + backward of the training loss (no optimizer), unrouted and routed, the two
+    alternating step by step so both see the same machine load; one warm-up step each."""
+    times = {None: [], candidate: []}
+    for k in range(steps + 1):
+        for which in times:
+            start = time.perf_counter()
+            subject.train_step(batch, seed, which)
+            if k:
+                times[which].append(time.perf_counter() - start)
+    return statistics.median(times[None]), statistics.median(times[candidate])
 
 
 def measure(subject, candidates, batch_count: int, batch_size: int, seed: int, time_steps: int = 0,
@@ -288,15 +290,15 @@ def measure(subject, candidates, batch_count: int, batch_size: int, seed: int, t
     """Every candidate's cost and damage, the unrouted loss and the similarity curve, as a JSON-ready dict."""
     data = batches(subject.samples(batch_count * batch_size, seed), batch_size)
     dense, similarity = unrouted(subject, data, seed)
-    dense_time = step_time(subject, data[0], seed, None, time_steps) if time_steps else None
     rows = []
     for i, candidate in enumerate(candidates):
         cost = subject.cost(candidate) if subject.kind == "dit" else subject.cost(candidate, data[0])
         row = {"route": candidate.name, "start": candidate.start, "end": candidate.end, "ratio": candidate.ratio,
                **cost, **damage(subject, data, seed, candidate, dense)}
         if time_steps:
-            routed_time = step_time(subject, data[0], seed, candidate, time_steps)
-            row.update(step_ms=routed_time * 1e3, measured_speedup=dense_time / routed_time)
+            dense_time, routed_time = step_times(subject, data[0], seed, candidate, time_steps)
+            row.update(unrouted_step_ms=dense_time * 1e3, step_ms=routed_time * 1e3,
+                       measured_speedup=dense_time / routed_time)
         rows.append(row)
         progress(f"[{i + 1}/{len(candidates)}] {candidate.name}: speed-up bound {row['flop_speedup_bound']:.3f}x, "
                  f"damage {row['damage']:+.5f} [{row['damage_ci'][0]:+.5f}, {row['damage_ci'][1]:+.5f}]")
@@ -305,8 +307,8 @@ def measure(subject, candidates, batch_count: int, batch_size: int, seed: int, t
     mean_dense, _ = interval(dense)
     return {"model": subject.description, "source": subject.source, "depth": subject.depth,
             "samples": batch_count * batch_size, "batches": batch_count, "batch_size": batch_size, "seed": seed,
-            "confidence": CONFIDENCE, "unrouted_loss": mean_dense, "unrouted_step_ms":
-            dense_time * 1e3 if dense_time else None, "block_similarity": similarity, "routes": rows}
+            "confidence": CONFIDENCE, "unrouted_loss": mean_dense, "time_steps": time_steps,
+            "block_similarity": similarity, "routes": rows}
 
 
 def default_candidates(depth: int) -> list:

@@ -58,13 +58,14 @@ def suggestion_line(result: dict) -> str:
 def markdown(result: dict) -> str:
     timed = result["routes"] and "step_ms" in result["routes"][0]
     head = ("| route | speed-up bound | activation memory | loss | damage | "
-            f"{result['confidence']:.0%} interval | relative | Pareto |" + (" step (ms) | measured speed-up |"
+            f"{result['confidence']:.0%} interval | relative | Pareto |" + (" unrouted step (ms) | step (ms) | measured speed-up |"
                                                                              if timed else ""))
     lines = [f"# Route probe: {result['model']}", "",
              f"Command: `{result['command']}`", "",
              f"Source: `{result['source']}`; {result['samples']} samples ({result['batches']} batches of "
-             f"{result['batch_size']}), seed {result['seed']}. Unrouted training loss {result['unrouted_loss']:.5f}"
-             + (f", step {result['unrouted_step_ms']:.1f} ms" if result["unrouted_step_ms"] else "") + ".", "",
+             f"{result['batch_size']}), seed {result['seed']}. Unrouted training loss {result['unrouted_loss']:.5f}."
+             + (f" Step times: medians of {result['time_steps']} forward + backward passes of one batch, unrouted "
+                "and routed alternating." if timed else ""), "",
              "Damage: the routed minus the unrouted training loss of the same samples, noise and noise levels "
              "(training-mode routing on the trained weights, no training); the interval is a paired t interval "
              "over samples. Best first.", "",
@@ -74,7 +75,8 @@ def markdown(result: dict) -> str:
             f"| {row['route']} | {row['flop_speedup_bound']:.3f}x | {row['activation_memory_fraction']:.0%} | "
             f"{row['loss']:.5f} | {row['damage']:+.5f} | [{row['damage_ci'][0]:+.5f}, {row['damage_ci'][1]:+.5f}] | "
             f"{row['relative_damage']:+.1%} | {'yes' if row['pareto'] else ''} |" + (
-                f" {row['step_ms']:.1f} | {row['measured_speedup']:.3f}x |" if timed else ""))
+                f" {row['unrouted_step_ms']:.1f} | {row['step_ms']:.1f} | {row['measured_speedup']:.3f}x |"
+                if timed else ""))
     lines += ["", "Cosine similarity between each block's input and output tokens (unrouted):", "",
               "| block | " + " | ".join(str(k) for k in range(result["depth"])) + " |",
               "|---|" + "---|" * result["depth"],
