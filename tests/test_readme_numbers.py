@@ -1,8 +1,9 @@
 """Every number the README quotes equals the file or config it is quoted from, rounded as printed: the demo
 table against the default runs' logs (docs/perf/default_*_digits_metrics.jsonl), the toy study's table against
-its report (docs/results/study.md), the GPU targets against docs/perf/h200_check/, and the settings in the
-prose and the differences table against the composed configs; docs/performance.md's CPU tables against
-docs/perf/cpu.json and its H100 table against docs/perf/h100_b2.json. A measurement-like number in the README's prose (a decimal, a thousands
+its report (docs/results/study.md), the GPU targets against docs/perf/h200_check/, the route probe's table
+against its validation JSON, and the settings in the prose and the differences table against the composed
+configs; docs/performance.md's CPU tables against docs/perf/cpu.json and its H100 table against
+docs/perf/h100_b2.json. A measurement-like number in the README's prose (a decimal, a thousands
 separator, a K, % or x suffix) that no check here claims fails the test: quote it with its source and add
 its check, or remove it."""
 import functools
@@ -282,6 +283,22 @@ def test_diffusers_table_is_the_benchmark_json():
         assert_close(row["FLOP bound"], run["flop_bound"], f"{run['arch']} FLOP bound")
         assert_close(row["speed-up / bound"], run["speedup_vs_bound"], f"{run['arch']} speed-up / bound")
     assert "python -m lab.bench_diffusers --out diffusers_cpu.json" in README and "`docs/perf/diffusers_cpu.json`" in README
+
+
+def test_route_probe_table_is_the_validation_json():
+    found = json.loads((REPO / "docs" / "results" / "route_probe" / "validation" / "validation.json").read_text())
+    checks = {r["step"]: r for r in found["placement"]}
+    rows = table(README, "| checkpoint step | Spearman's rho, damage vs final FID |")
+    assert {int(row["checkpoint step"]) for row in rows} == set(checks)
+    for row in rows:
+        check = checks[int(row["checkpoint step"])]
+        assert check["routes"] == 9 and "9 placement routes" in README
+        assert_close(row["Spearman's rho, damage vs final FID"], check["rho"], "rho of damage against FID")
+        assert_close(row["permutation p"], check["p"], "its permutation p-value")
+        assert_close(row["rho, FLOP speed-up alone vs final FID"], check["rho_speedup"], "rho of speed-up")
+    probe = json.loads((REPO / "docs" / "results" / "route_probe" / "digits" / "probe.json").read_text())
+    assert "step 1000" in probe["model"] and "a `dit` at step 1000 on the digits" in README
+    assert "--target-speedup 1.3" in probe["command"] and "--target-speedup 1.3" in README
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,206 @@
+"""The route probe (tools/route_probe.py) on tiny models: a DiT exported folder trained for nothing (random
+weights, the digits at 8 x 8) and a tiny FLUX-architecture transformer built from its config."""
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dit import get_model
+from tools.diffusers_toy import random_flux
+from tools.route_probe import main
+from tools.route_probe_measure import Candidate, default_candidates
+from tools.route_probe_report import annotate, pareto_front, suggest, suggestion_line
+from training.exported import write_export
+from tread_utils.errors import report_user_errors
+
+RUN_CFG = {"model": {"backbone_type": "DiT-T/4",
+                     "params": {"depth": 6, "hidden_size": 32, "num_heads": 2, "input_size": 8, "in_channels": 1,
+                                "num_classes": 10, "enable_routing": False, "routes": []}},
+           "diffuser": {"name": "edm", "P_mean": -1.2, "P_std": 1.2, "sigma_data": 0.64},
+           "dataset": {"name": "digits", "kind": "digits", "in_channels": 1, "input_size": 8, "num_classes": 10},
+           "train": {"general": {"class_drop_prob": 0.1}}}
+SMALL = ["--batches", "2", "--batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def dit_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    model = get_model(RUN_CFG["model"]["backbone_type"], RUN_CFG["model"]["params"])
+    return write_export(model, RUN_CFG, 0, tmp_path_factory.mktemp("probe") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def flux_inputs(tmp_path_factory):
+    """A config-only FLUX folder (random weights at probe time) and its inputs: 16 packed tokens per sample."""
+    root = tmp_path_factory.mktemp("flux")
+    random_flux(1, 32, 2, 1, 2, 16).save_config(root / "transformer")
+    g = torch.Generator().manual_seed(0)
+    torch.save({"latents": torch.randn(8, 16, 4, generator=g), "text": torch.randn(8, 5, 16, generator=g),
+                "pooled": torch.randn(8, 16, generator=g)}, root / "inputs.pt")
+    return root
+
+
+def probe(folder, out, *extra):
+    return main([str(folder), "--out", str(out), *SMALL, *extra])
+
+
+def by_route(result):
+    return {r["route"]: r for r in result["routes"]}
+
+
+def test_ratio_zero_has_exactly_zero_damage(dit_folder, tmp_path):
+    rows = by_route(probe(dit_folder, tmp_path, "--routes", "1:3:0,0:4:0,1:3:0.5", "--time-steps", "1"))
+    for name in ("1->3 @ 0", "0->4 @ 0"):
+        assert rows[name]["damage"] == 0.0 and rows[name]["damage_ci"] == [0.0, 0.0]
+        assert rows[name]["flop_speedup_bound"] == 1.0 and rows[name]["activation_memory_fraction"] == 1.0
+    assert rows["1->3 @ 0.5"]["damage"] != 0.0  # a route that drops tokens changes the loss
+    assert rows["1->3 @ 0.5"]["flop_speedup_bound"] > 1.0
+    assert all(r["step_ms"] > 0 and r["unrouted_step_ms"] > 0 and r["measured_speedup"] > 0 for r in rows.values())
+    assert "| measured speed-up |" in (tmp_path / "probe.md").read_text()
+
+
+def test_flux_ratio_zero_has_exactly_zero_damage(flux_inputs, tmp_path):
+    result = main([str(flux_inputs / "transformer"), "--data", str(flux_inputs / "inputs.pt"), "--out", str(tmp_path),
+                   "--batches", "2", "--batch-size", "4", "--routes", "0:1:0,1:2:0.5", "--time-steps", "1"])
+    rows = by_route(result)
+    assert result["depth"] == 3 and len(result["block_similarity"]) == 3
+    assert rows["0->1 @ 0"]["damage"] == 0.0 and rows["0->1 @ 0"]["flop_speedup_bound"] == 1.0
+    assert rows["1->2 @ 0.5"]["damage"] != 0.0 and rows["1->2 @ 0.5"]["flop_speedup_bound"] > 1.0
+    assert 0 < rows["1->2 @ 0.5"]["activation_memory_fraction"] < 1
+    assert rows["1->2 @ 0.5"]["step_ms"] > 0 and rows["1->2 @ 0.5"]["measured_speedup"] > 0
+
+
+def test_deterministic_for_a_seed(dit_folder, tmp_path):
+    routes = ["--routes", "1:3:0.5,0:2:0.25"]
+    first = probe(dit_folder, tmp_path / "a", *routes)
+    again = probe(dit_folder, tmp_path / "b", *routes)
+    other = probe(dit_folder, tmp_path / "c", *routes, "--seed", "1")
+    keys = ("loss", "damage", "damage_ci", "flop_speedup_bound")
+    assert [[r[k] for k in keys] for r in first["routes"]] == [[r[k] for k in keys] for r in again["routes"]]
+    assert first["block_similarity"] == again["block_similarity"]
+    assert first["routes"][0]["damage"] != other["routes"][0]["damage"]
+    saved = json.loads((tmp_path / "a" / "probe.json").read_text())
+    assert saved["routes"] == first["routes"] and (tmp_path / "a" / "probe.png").stat().st_size > 0
+
+
+def test_suggestion_meets_the_target(dit_folder, tmp_path):
+    result = probe(dit_folder, tmp_path, "--target-speedup", "1.3", "--routes", "0:1:0.25,1:3:0.5,1:4:0.75,3:5:0.5,0:5:0.5")
+    meeting = [r for r in result["routes"] if r["flop_speedup_bound"] >= 1.3]
+    assert meeting and len(meeting) < len(result["routes"])  # the target excludes some routes
+    chosen = by_route(result)[result["suggestion"]]
+    assert chosen["flop_speedup_bound"] >= 1.3
+    assert chosen["damage"] == min(r["damage"] for r in meeting)
+    assert "Suggested route" in (tmp_path / "probe.md").read_text()
+    memory = annotate(result, None, 0.7)
+    assert by_route(memory)[memory["suggestion"]]["activation_memory_fraction"] <= 0.7
+    assert annotate(result, 9.0)["suggestion"] is None and "No candidate meets" in suggestion_line(result)
+
+
+def test_default_grid_from_the_depth():
+    grid = default_candidates(12)
+    assert {(c.start, c.end) for c in grid} == {(s, e) for s in (0, 2, 3) for e in (6, 8, 10)}
+    assert Candidate(2, 8, 0.5) in grid and {c.ratio for c in grid} == {0.25, 0.5, 0.75}
+    assert all(0 <= c.start <= c.end < 4 for c in default_candidates(4))
+
+
+def test_pareto_front_and_suggestion_on_known_rows():
+    rows = [{"route": "a", "flop_speedup_bound": 1.2, "damage": 0.1, "activation_memory_fraction": 0.8},
+            {"route": "b", "flop_speedup_bound": 1.5, "damage": 0.3, "activation_memory_fraction": 0.6},
+            {"route": "c", "flop_speedup_bound": 1.4, "damage": 0.4, "activation_memory_fraction": 0.7},
+            {"route": "d", "flop_speedup_bound": 1.0, "damage": 0.0, "activation_memory_fraction": 1.0}]
+    assert pareto_front(rows) == {0, 1, 3}
+    assert suggest(rows, 1.3)["route"] == "b" and suggest(rows, None, 0.75)["route"] == "b"
+    assert suggest(rows, 1.6) is None
+
+
+@pytest.mark.parametrize("args, words", [
+    (["/nonexistent/run"], "does not exist"),
+    (["{dit}", "--routes", "2:8"], "START:END:RATIO"),
+    (["{dit}", "--routes", "0:9:0.5"], "outside a model of depth 6"),
+    (["{dit}", "--target-speedup", "0.5"], "--target-speedup"),
+    (["{dit}", "--batches", "0"], "--batches"),
+    (["{flux}"], "--data"),
+    (["{flux}", "--data", "{inputs}", "--batch-size", "99"], "fewer than --batches x --batch-size"),
+])
+def test_bad_arguments_give_one_line(dit_folder, flux_inputs, tmp_path, capsys, args, words):
+    args = [a.format(dit=dit_folder, flux=flux_inputs / "transformer", inputs=flux_inputs / "inputs.pt") for a in args]
+    with pytest.raises(SystemExit) as stop:
+        report_user_errors(main)([*args, "--out", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_arguments_from_the_command_line(dit_folder, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tools.route_probe", str(dit_folder), "--routes", "4:1:0.5",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "comes after end block" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_spearman_exact_permutation_p():
+    from scipy import stats
+
+    from tools.route_probe_validate import spearman_exact
+
+    assert spearman_exact([1, 2, 3, 4, 5], [10, 20, 30, 40, 50]) == (pytest.approx(1.0), pytest.approx(2 / 120))
+    x, y = [0.3, 0.1, 0.5, 0.2, 0.9, 0.4], [3.0, 1.0, 2.0, 6.0, 5.0, 4.0]
+    rho, p = spearman_exact(x, y)
+    assert rho == pytest.approx(stats.spearmanr(x, y)[0]) and 0.05 < p < 1
+
+
+def test_docs_tables_are_the_validation_json():
+    """docs/route_probe.md quotes the committed validation as printed."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    found = json.loads((repo / "docs/results/route_probe/validation/validation.json").read_text())
+    doc = (repo / "docs/route_probe.md").read_text()
+    for r in found["placement"]:
+        assert f"| {r['step']} | {r['rho']:.3f} | {r['p']:.3f} | {r['rho_speedup']:.3f} | {r['p_speedup']:.3f} |" in doc
+    for r in found["ratio"]:
+        assert r["ratios"] == [0.25, 0.5, 0.75] and r["damage_rises"]
+        assert f"| {r['step']} | " + " | ".join(f"{d:+.3f}" for d in r["damage"]) + " |" in doc
+        assert "| final FID of the sweep | " + " | ".join(f"{f:.2f}" for f in r["fid"]) + " |" in doc
+
+
+def test_finetune_check_runs_accumulate_in_chunks(tmp_path):
+    """The fine-tuning check's runs at equal FLOPs: a route trains budget x its FLOP bound steps, and runs from
+    several commands (one route each) end in one table."""
+    from tools import route_probe_finetune
+
+    route_probe_finetune.main(["pretrain", "--out", str(tmp_path), "--steps", "1"])
+    args = ["lora", "--model", str(tmp_path / "transformer"), "--seeds", "0", "--budget", "2", "--batch-size", "4",
+            "--out", str(tmp_path / "ft")]
+    route_probe_finetune.main([*args, "--routes", "2:10:0.5"])
+    route_probe_finetune.main([*args, "--routes", "3:8:0"])
+    saved = json.loads((tmp_path / "ft" / "finetune.json").read_text())
+    routed, unrouted = saved["runs"]
+    assert (routed["route"], unrouted["route"]) == ("2->10 @ 0.5", "3->8 @ 0") and len(saved["commands"]) == 2
+    assert routed["flop_speedup_bound"] > 1.2 and routed["steps"] == round(2 * routed["flop_speedup_bound"]) > 2
+    assert unrouted["flop_speedup_bound"] == 1.0 and unrouted["steps"] == 2
+    assert unrouted["eval_loss_after"] != unrouted["eval_loss_before"]  # the LoRA weights moved
+    table = (tmp_path / "ft" / "finetune.md").read_text()
+    assert "| 2->10 @ 0.5 |" in table and "| 3->8 @ 0 |" in table
+    assert torch.load(tmp_path / "inputs.pt")["latents"].shape[1:] == (64, 4)
+
+
+def test_docs_finetune_table_is_the_committed_runs():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    runs = json.loads((repo / "docs/results/route_probe/finetune/finetune.json").read_text())["runs"]
+    probe = by_route(json.loads((repo / "docs/results/route_probe/finetune_probe/probe.json").read_text()))
+    doc = (repo / "docs/route_probe.md").read_text()
+    for name, label in (("3->8 @ 0.75", "3 -> 8 at 0.75"), ("2->10 @ 0.5", "2 -> 10 at 0.5"),
+                        ("3->8 @ 0.4", "3 -> 8 at 0.4"), ("0->0 @ 0", "no routing")):
+        after = [r["eval_loss_after"] for r in runs if r["route"] == name]
+        assert len(after) == 3
+        line = next(line for line in doc.splitlines() if line.startswith(f"| {label}"))
+        assert f"| {statistics.mean(after):.4f} ± {statistics.stdev(after):.4f} |" in line
+        if name != "0->0 @ 0":
+            assert f"| {probe[name]['damage']:+.3f} |" in line

@@ -1,0 +1,132 @@
+"""The route probe's report (tools/route_probe.py): the Pareto front of damage against speed-up, the suggested
+route, and the markdown table, JSON and picture of one probe."""
+import json
+from pathlib import Path
+
+from tools.report_plots import new_figure, save
+
+
+def pareto_front(rows) -> set:
+    """Indices of the routes no other route beats: none is at least as fast with no more damage, and better in
+    one of the two."""
+    front = set()
+    for i, a in enumerate(rows):
+        beaten = any(b["flop_speedup_bound"] >= a["flop_speedup_bound"] and b["damage"] <= a["damage"] and
+                     (b["flop_speedup_bound"] > a["flop_speedup_bound"] or b["damage"] < a["damage"])
+                     for j, b in enumerate(rows) if j != i)
+        if not beaten:
+            front.add(i)
+    return front
+
+
+def suggest(rows, target_speedup=None, target_memory=None):
+    """The least-damage route whose FLOP-bound speed-up is at least `target_speedup` and whose activation-memory
+    fraction is at most `target_memory` (either may be None); None when no route meets them."""
+    meeting = [r for r in rows
+               if (target_speedup is None or r["flop_speedup_bound"] >= target_speedup)
+               and (target_memory is None or r["activation_memory_fraction"] <= target_memory)]
+    return min(meeting, key=lambda r: (r["damage"], -r["flop_speedup_bound"]), default=None)
+
+
+def annotate(result: dict, target_speedup=None, target_memory=None) -> dict:
+    """Marks the Pareto front and adds the targets and the suggestion to a `measure` result."""
+    front = pareto_front(result["routes"])
+    for i, row in enumerate(result["routes"]):
+        row["pareto"] = i in front
+    chosen = suggest(result["routes"], target_speedup, target_memory)
+    result.update(target_speedup=target_speedup, target_memory=target_memory,
+                  suggestion=None if chosen is None else chosen["route"])
+    return result
+
+
+def suggestion_line(result: dict) -> str:
+    targets = " and ".join(t for t in (
+        f"a FLOP-bound speed-up of at least {result['target_speedup']:g}x" if result["target_speedup"] else "",
+        f"at most {result['target_memory']:.0%} of the block activation memory" if result["target_memory"] else "")
+        if t) or "no target"
+    if result["suggestion"] is None:
+        best = max(r["flop_speedup_bound"] for r in result["routes"])
+        return (f"No candidate meets {targets} (the fastest reaches {best:.3f}x): lower the target or add routes "
+                f"with --routes.")
+    row = next(r for r in result["routes"] if r["route"] == result["suggestion"])
+    return (f"Suggested route for {targets}: {row['route']} (speed-up bound {row['flop_speedup_bound']:.3f}x, "
+            f"activation memory {row['activation_memory_fraction']:.0%}, damage {row['damage']:+.5f} "
+            f"[{row['damage_ci'][0]:+.5f}, {row['damage_ci'][1]:+.5f}], {row['relative_damage']:+.1%} of the "
+            f"unrouted loss).")
+
+
+def markdown(result: dict) -> str:
+    timed = result["routes"] and "step_ms" in result["routes"][0]
+    head = ("| route | speed-up bound | activation memory | loss | damage | "
+            f"{result['confidence']:.0%} interval | relative | Pareto |" + (" unrouted step (ms) | step (ms) | measured speed-up |"
+                                                                             if timed else ""))
+    lines = [f"# Route probe: {result['model']}", "",
+             f"Command: `{result['command']}`", "",
+             f"Source: `{result['source']}`; {result['samples']} samples ({result['batches']} batches of "
+             f"{result['batch_size']}), seed {result['seed']}. Unrouted training loss {result['unrouted_loss']:.5f}."
+             + (f" Step times: medians of {result['time_steps']} forward + backward passes of one batch, unrouted "
+                "and routed alternating." if timed else ""), "",
+             "Damage: the routed minus the unrouted training loss of the same samples, noise and noise levels "
+             "(training-mode routing on the trained weights, no training); the interval is a paired t interval "
+             "over samples. Best first.", "",
+             suggestion_line(result), "", head, "|" + "---|" * head.count(" |")]
+    for row in sorted(result["routes"], key=lambda r: r["damage"]):
+        lines.append(
+            f"| {row['route']} | {row['flop_speedup_bound']:.3f}x | {row['activation_memory_fraction']:.0%} | "
+            f"{row['loss']:.5f} | {row['damage']:+.5f} | [{row['damage_ci'][0]:+.5f}, {row['damage_ci'][1]:+.5f}] | "
+            f"{row['relative_damage']:+.1%} | {'yes' if row['pareto'] else ''} |" + (
+                f" {row['unrouted_step_ms']:.1f} | {row['step_ms']:.1f} | {row['measured_speedup']:.3f}x |"
+                if timed else ""))
+    lines += ["", "Cosine similarity between each block's input and output tokens (unrouted):", "",
+              "| block | " + " | ".join(str(k) for k in range(result["depth"])) + " |",
+              "|---|" + "---|" * result["depth"],
+              "| cos | " + " | ".join(f"{s:.3f}" for s in result["block_similarity"]) + " |"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path, stem: str = "probe") -> None:
+    """Left: damage against the FLOP-bound speed-up with intervals, the Pareto front and the suggestion. Right:
+    the block similarity curve."""
+    plt, fig, ax = new_figure(12, 5)
+    fig.delaxes(ax)
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    rows = result["routes"]
+    ratios = sorted({r["ratio"] for r in rows})
+    for k, ratio in enumerate(ratios):
+        chosen = [r for r in rows if r["ratio"] == ratio]
+        left.errorbar([r["flop_speedup_bound"] for r in chosen], [r["damage"] for r in chosen],
+                      yerr=[[r["damage"] - r["damage_ci"][0] for r in chosen],
+                            [r["damage_ci"][1] - r["damage"] for r in chosen]],
+                      fmt="o", ms=4, capsize=2, color=f"C{k}", label=f"ratio {ratio:g}")
+    front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["flop_speedup_bound"])
+    left.plot([r["flop_speedup_bound"] for r in front], [r["damage"] for r in front], "k--", lw=1,
+              label="Pareto front")
+    for r in rows:
+        left.annotate(f"{r['start']}->{r['end']}", (r["flop_speedup_bound"], r["damage"]), fontsize=6,
+                      xytext=(3, 3), textcoords="offset points")
+    if result["suggestion"]:
+        best = next(r for r in rows if r["route"] == result["suggestion"])
+        left.plot(best["flop_speedup_bound"], best["damage"], marker="*", ms=16, color="gold", mec="k", ls="",
+                  label=f"suggested: {best['route']}")
+    if result["target_speedup"]:
+        left.axvline(result["target_speedup"], color="grey", lw=0.8, ls=":", label="target speed-up")
+    left.axhline(0, color="grey", lw=0.5)
+    left.set_xlabel("FLOP-bound speed-up of a training step")
+    left.set_ylabel("damage: routed - unrouted training loss")
+    left.set_title("cost and damage of each route (no training)", fontsize=10)
+    left.legend(fontsize=7)
+    right.plot(range(result["depth"]), result["block_similarity"], marker="o")
+    right.set_xlabel("block")
+    right.set_ylabel("cosine similarity, input vs output tokens")
+    right.set_title("block similarity (unrouted)", fontsize=10)
+    right.grid(alpha=0.3)
+    save(plt, fig, out, stem)
+
+
+def write(result: dict, out: Path, stem: str = "probe") -> list:
+    """probe.json, probe.md, probe.png (and .svg) in `out`; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    plot(result, out, stem)
+    return [out / f"{stem}.{ext}" for ext in ("json", "md", "png", "svg")]
