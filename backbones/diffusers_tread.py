@@ -16,9 +16,9 @@ with the mask (below) as its `force_keep`; routing runs only while the transform
 gradients are enabled, so evaluation, sampling and `torch.no_grad()` see the unchanged model.
 
 Mask: `handle.set_mask(mask)`, or `tread_mask=mask` as a keyword of the transformer's forward, marks image
-tokens that are never routed (SimpleTuner's force-keep for masked-loss training). `mask` is [B, N] over the
-tokens, or [B, H, W] ([B, F, H, W] for Wan) over the image at any resolution, max-pooled to the token grid:
-a token is kept if any of its pixels is in the mask. `masked_loss` weights a loss by the same mask.
+tokens that are never routed (SimpleTuner's force-keep for masked-loss training): a [B, N] token mask, or a
+mask image in [0, 1] or SimpleTuner's [-1, 1] made into tokens by the handle's `mask_rule`
+(backbones/diffusers_masks.py has the forms and rules). `masked_loss` weights a loss by the same mask.
 
 Gradient checkpointing (`transformer.enable_gradient_checkpointing()`): diffusers runs each block through
 `transformer._gradient_checkpointing_func`, and the hooks run inside it, again when backward recomputes
@@ -26,18 +26,20 @@ the block. The handle wraps that function so each checkpointed call records the 
 used and its recomputation replays them: the recomputed forward routes the same tokens. (It needs a
 non-reentrant checkpoint, diffusers' default: the skipped tokens rejoin from outside the block.)
 """
+import ast
 import contextvars
 import inspect
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from backbones.diffusers_families import Family, family_of
+from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
 from tread_utils.errors import UserError
 
 TESTED_DIFFUSERS = ("0.42",)  # major.minor versions whose block signatures and forward loops were checked
+KEPT_COUNTS = ("authors", "simpletuner")
 MISSING_ROUTES = "TREAD training requires you to configure the routes"
 _RECORD = contextvars.ContextVar("tread_checkpoint_record", default=None)
 
@@ -52,8 +54,18 @@ def check_diffusers_version(version: Optional[str] = None) -> None:
 
 
 def routes_from_config(tread_config, depth: int, selection: str = "random", **options) -> list:
-    """SimpleTuner's tread_config (a dict with `routes`, or the list) as checked `Route`s over `depth` blocks.
-    A route that names no `selection` takes the call's, with its options."""
+    """SimpleTuner's tread_config (a dict with `routes`, the list, or its command line's string: one that starts
+    with `{` is read as a Python literal, as SimpleTuner reads `--tread_config`) as checked `Route`s over `depth`
+    blocks. A route that names no `selection` takes the call's, with its options."""
+    if isinstance(tread_config, str) and tread_config.lstrip().startswith("{"):
+        try:
+            tread_config = ast.literal_eval(tread_config.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as err:
+            why = str(err).splitlines()[0] if isinstance(err, SyntaxError) else "a name or call in it"
+            raise RouteError(f"the tread_config string is not a Python literal ({why}); write it as SimpleTuner's "
+                             f"--tread_config takes it, e.g. '{{\"routes\": [{{\"selection_ratio\": 0.5, "
+                             f"\"start_layer_idx\": 2, \"end_layer_idx\": -2}}]}}' (True/False/None, not JSON's "
+                             f"true/false/null)") from None
     routes = tread_config.get("routes") if hasattr(tread_config, "keys") else tread_config
     if not routes:
         raise RouteError(MISSING_ROUTES)
@@ -67,31 +79,6 @@ def routes_from_config(tread_config, depth: int, selection: str = "random", **op
             raise RouteError(f"route {i}: apply_tread supports constant ratios without fusion; remove the "
                              f"route's schedule / fusion options")
     return resolved
-
-
-def mask_to_tokens(mask: torch.Tensor, grid: tuple, num_tokens: int) -> torch.Tensor:
-    """A per-sample mask [B, N] or [B, *image] as a [B, N] bool token mask over `grid` (max-pooled)."""
-    if mask.ndim == 2 and mask.shape[1] == num_tokens:
-        return mask.bool()
-    if mask.ndim != len(grid) + 1 or len(grid) not in (2, 3):
-        raise UserError(f"the TREAD mask must be [B, {num_tokens}] over the tokens or [B, "
-                        f"{', '.join('*' * len(grid))}] over the image (token grid {grid}); got {tuple(mask.shape)}")
-    pool = F.adaptive_max_pool2d if len(grid) == 2 else F.adaptive_max_pool3d
-    return pool(mask[:, None].float(), grid).flatten(1).bool()
-
-
-def masked_loss(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean of an unreduced loss over the masked region: `loss` [B, C, *image] with `mask` [B, *image'] at
-    any resolution (nearest-resized), or token layout `loss` [B, N, C] with `mask` [B, N]."""
-    weight = mask.to(loss.dtype)
-    if loss.ndim == 3 and weight.shape == loss.shape[:2]:
-        weight = weight[..., None]
-    else:
-        if weight.shape[1:] != loss.shape[2:]:
-            weight = F.interpolate(weight[:, None], size=loss.shape[2:], mode="nearest")[:, 0]
-        weight = weight[:, None]
-    weight = weight.expand_as(loss)
-    return (loss * weight).sum() / weight.sum().clamp_min(1.0)
 
 
 def _as_kwargs(signature: inspect.Signature, args, kwargs) -> dict:
@@ -111,8 +98,10 @@ class TreadHandle:
     `last_keep[k]`: the kept token indices [B, K] of route k in the latest routed forward (for REPA-style
     losses on the kept tokens, and for checks)."""
 
-    def __init__(self, transformer, family: Family, routes: list):
+    def __init__(self, transformer, family: Family, routes: list, mask_rule: str = "half",
+                 kept_count: str = "authors"):
         self.transformer, self.family, self.routes = transformer, family, routes
+        self.mask_rule, self.kept_count = mask_rule, kept_count
         self.mask: Optional[torch.Tensor] = None
         self.last_keep: dict = {}
         self._on, self._force_keep, self._pending_mask, self._grid, self._live = False, None, None, None, {}
@@ -136,11 +125,11 @@ class TreadHandle:
     # -- the model-level hooks -------------------------------------------------------------------------
     def set_mask(self, mask: Optional[torch.Tensor]) -> None:
         """A per-sample mask (see the module doc) used by every following forward; None clears it."""
-        self.mask = mask
+        self.mask = None if mask is None else read_mask(mask)
 
     def _before_model(self, module, args, kwargs):
         mask = kwargs.pop("tread_mask", None)
-        mask = self.mask if mask is None else mask
+        mask = self.mask if mask is None else read_mask(mask)
         self._live, self._force_keep = {}, None
         self._on = module.training and torch.is_grad_enabled() and any(r.selection_ratio > 0 for r in self.routes)
         if getattr(module, "gradient_checkpointing", False):
@@ -170,20 +159,28 @@ class TreadHandle:
     # -- the block-level hooks -------------------------------------------------------------------------
     def _select(self, route, x: torch.Tensor) -> torch.Tensor:
         if self._pending_mask is not None:
-            self._force_keep = mask_to_tokens(self._pending_mask.to(x.device), self._grid, x.shape[1])
+            self._force_keep = mask_to_tokens(self._pending_mask.to(x.device), self._grid, x.shape[1],
+                                              self.mask_rule)
             self._pending_mask = None
         force_keep = self._force_keep
         if force_keep is not None and force_keep.shape != x.shape[:2]:
             raise UserError(f"the TREAD mask gives {tuple(force_keep.shape)} token flags for image tokens of shape "
                             f"{tuple(x.shape[:2])}; give one mask per sample over this image")
+        ratio = self._ratio(route.selection_ratio, x.shape[1])
         if not self.family.shared:
-            return select_kept_tokens(x, route.selection_ratio, None, route.selection, force_keep,
-                                      **dict(route.options))
+            return select_kept_tokens(x, ratio, None, route.selection, force_keep, **dict(route.options))
         scores = x.detach().abs().mean(0, keepdim=True)  # importance: the batch's mean L1 norm per token
-        keep = select_kept_tokens(scores, route.selection_ratio, None, route.selection,
+        keep = select_kept_tokens(scores, ratio, None, route.selection,
                                   None if force_keep is None else force_keep.any(0, keepdim=True),
                                   **dict(route.options))
         return keep.expand(x.shape[0], -1)
+
+    def _ratio(self, ratio: float, num_tokens: int) -> float:
+        """The ratio whose authors' count N - int(N * r) keeps what `kept_count` asks for: SimpleTuner's
+        N - round(N * ratio), at least one token (its round can skip all)."""
+        if self.kept_count == "authors" or ratio == 0:
+            return ratio
+        return (min(round(num_tokens * ratio), num_tokens - 1) + 0.5) / num_tokens
 
     def _lead_of(self, kind: str, record: Optional[dict]) -> int:
         """Text tokens before the image in this block's hidden_states; a recomputation reads its forward's."""
@@ -267,12 +264,20 @@ def _replaying(checkpoint_func):
     return run
 
 
-def apply_tread(transformer, routes, *, selection: str = "random", **options) -> TreadHandle:
+def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: str = "half",
+                kept_count: str = "authors", **options) -> TreadHandle:
     """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, Wan or AuraFlow transformer; returns the handle.
-    `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none."""
+    `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
+    `mask_rule` makes a mask image into tokens ("half" or "any", backbones/diffusers_masks.py); `kept_count`
+    is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""
+    if mask_rule not in MASK_RULES:
+        raise UserError(f"apply_tread mask_rule={mask_rule!r}; choose one of {', '.join(MASK_RULES)}")
+    if kept_count not in KEPT_COUNTS:
+        raise UserError(f"apply_tread kept_count={kept_count!r}; choose one of {', '.join(KEPT_COUNTS)}")
     check_diffusers_version()
     family = family_of(transformer)
     if getattr(transformer, "_tread_handle", None) is not None:
         raise UserError("this transformer already has TREAD routes; call .remove() on the first handle first")
     depth = sum(len(getattr(transformer, name)) for name in family.block_lists)
-    return TreadHandle(transformer, family, routes_from_config(routes, depth, selection, **options))
+    return TreadHandle(transformer, family, routes_from_config(routes, depth, selection, **options), mask_rule,
+                       kept_count)
