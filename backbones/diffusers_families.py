@@ -43,9 +43,20 @@ def _flux_narrow(kw: dict, keep: torch.Tensor) -> None:
     text = kw["encoder_hidden_states"].shape[1]
     rows = torch.cat([torch.arange(text, device=keep.device), text + keep[0]])
     kw["image_rotary_emb"] = tuple(table.index_select(0, rows.to(table.device)) for table in rope)
-    if (kw.get("joint_attention_kwargs") or {}).get("attention_mask") is not None:
-        raise UserError("TREAD cannot route a FLUX forward given an attention_mask in joint_attention_kwargs; "
-                        "pass no attention mask while training with routes")
+    _flux_attention_mask(kw, keep)
+
+
+def _flux_attention_mask(kw: dict, keep: torch.Tensor) -> None:
+    """An attention mask in joint_attention_kwargs ([B, T + N] over the keys, or [B, 1 or heads, T + N, T + N],
+    text first; bool or additive) as its text part followed by each sample's kept image tokens' part."""
+    extra = kw.get("joint_attention_kwargs") or {}
+    if extra.get("attention_mask") is None:
+        return
+    text = kw["encoder_hidden_states"].shape[1]
+    text_rows = torch.arange(text, device=keep.device).expand(keep.shape[0], -1)
+    positions = torch.cat([text_rows, text + keep], 1)
+    kw["joint_attention_kwargs"] = dict(extra, attention_mask=gather_attention_mask(extra["attention_mask"],
+                                                                                    positions, "FLUX"))
 
 
 def _wan_narrow(kw: dict, keep: torch.Tensor) -> None:
@@ -57,10 +68,26 @@ def _wan_narrow(kw: dict, keep: torch.Tensor) -> None:
         kw["temb"] = kw["temb"][_rows(keep), keep]
 
 
+def gather_attention_mask(mask: torch.Tensor, positions: torch.Tensor, family: str) -> torch.Tensor:
+    """The part of an attention mask [b, L] (keys) or [b, (h,) L or 1, L] at each sample's kept `positions`
+    [B, K'] of the L-token sequence: the key axis always, the query axis where it has the keys' length."""
+    length, batch = mask.shape[-1], positions.shape[0]
+    if mask.ndim not in (2, 3, 4) or mask.shape[0] not in (1, batch) or (mask.ndim > 2 and mask.shape[-2] not in
+                                                                          (1, length)):
+        raise UserError(f"TREAD cannot route a {family} attention mask of shape {tuple(mask.shape)}; give it "
+                        f"as [B, L] over the keys or [B, heads or 1, L or 1, L]")
+    mask = mask.expand(batch, *mask.shape[1:])
+    index = positions.to(mask.device).view(batch, *[1] * (mask.ndim - 2), -1)
+    mask = mask.gather(-1, index.expand(*mask.shape[:-1], -1))
+    if mask.ndim > 2 and mask.shape[-2] == length:
+        mask = mask.gather(-2, index.transpose(-1, -2).expand(*mask.shape[:-2], -1, mask.shape[-1]))
+    return mask
+
+
 def _pixart_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """PixArt's image attention mask, a bias [B, 1, N] by the time it reaches the blocks, at the kept tokens."""
     if kw.get("attention_mask") is not None:
-        raise UserError("TREAD cannot route a PixArt forward given an image attention_mask; pass "
-                        "attention_mask=None (the text mask, encoder_attention_mask, is fine)")
+        kw["attention_mask"] = gather_attention_mask(kw["attention_mask"], keep, "PixArt")
 
 
 def _no_narrow(kw: dict, keep: torch.Tensor) -> None:
