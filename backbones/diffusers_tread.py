@@ -81,15 +81,15 @@ def routes_from_config(tread_config, depth: int, selection: str = "random", **op
     return resolved
 
 
-def _as_kwargs(signature: inspect.Signature, args, kwargs) -> dict:
-    bound = signature.bind(*args, **kwargs)
-    out = {}
-    for name, value in bound.arguments.items():
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            out.update(value)
-        else:
-            out[name] = value
-    return out
+def positional_names(module) -> tuple:
+    """The names of `module.forward`'s positional parameters, read once at attach time (the hooks map a call's
+    positional arguments onto them without `inspect`, which torch.compile cannot trace)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in inspect.signature(module.forward).parameters.values() if p.kind in kinds)
+
+
+def _as_kwargs(names: tuple, args, kwargs) -> dict:
+    return {**dict(zip(names, args)), **kwargs}
 
 
 class TreadHandle:
@@ -106,7 +106,7 @@ class TreadHandle:
         self.last_keep: dict = {}
         self._on, self._force_keep, self._pending_mask, self._grid, self._live = False, None, None, None, {}
         self._lead: dict = {}  # block list -> leading text tokens in its hidden_states (this forward)
-        self._signatures: dict = {}
+        self._names = positional_names(transformer)
         blocks = [(name, block) for name in family.block_lists for block in getattr(transformer, name)]
         self.depth = len(blocks)
         self._hooks = [transformer.register_forward_pre_hook(self._before_model, with_kwargs=True),
@@ -117,7 +117,7 @@ class TreadHandle:
             for i in range(route.start_layer_idx, route.end_layer_idx + 1):
                 kind, block = blocks[i]
                 self._hooks.append(block.register_forward_pre_hook(
-                    self._pre_hook(k, kind, i == route.start_layer_idx), with_kwargs=True))
+                    self._pre_hook(k, kind, i == route.start_layer_idx, positional_names(block)), with_kwargs=True))
             kind, block = blocks[route.end_layer_idx]
             self._hooks.append(block.register_forward_hook(self._post_hook(k, kind)))
         transformer._tread_handle = self
@@ -138,23 +138,19 @@ class TreadHandle:
                 module._gradient_checkpointing_func = _replaying(func)
         if not self._on:
             return args, kwargs
-        kw = _as_kwargs(self._signature(module), args, kwargs)
+        self.last_keep = {}  # a new dict per routed forward: torch.compile guards on the contents of a kept one
+        kw = _as_kwargs(self._names, args, kwargs)
         for name in self.family.refused:
             if kw.get(name) is not None:
                 raise UserError(f"TREAD cannot route a {type(module).__name__} forward given {name}; train "
                                 f"without it, or call handle.remove() first")
-        self._grid, self._lead = self.family.grid(module, kw), self.family.lead(module, kw)
+        self._lead = self.family.lead(module, kw)
+        self._grid = None if mask is None else self.family.grid(module, kw)  # FLUX reads it from data: no trace
         self._pending_mask = mask
         return args, kwargs
 
     def _after_model(self, module, args, output):
         self._live, self._pending_mask = {}, None
-
-    def _signature(self, module) -> inspect.Signature:
-        key = type(module)
-        if key not in self._signatures:
-            self._signatures[key] = inspect.signature(module.forward)
-        return self._signatures[key]
 
     # -- the block-level hooks -------------------------------------------------------------------------
     def _select(self, route, x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +183,7 @@ class TreadHandle:
         lead = self._lead.get(kind, 0)
         return lead if record is None else record.setdefault("lead", lead)
 
-    def _pre_hook(self, k: int, kind: str, is_start: bool):
+    def _pre_hook(self, k: int, kind: str, is_start: bool, names: tuple):
         route = self.routes[k]
 
         def hook(module, args, kwargs):
@@ -198,7 +194,7 @@ class TreadHandle:
             elif not self._on:
                 ctx = None
             elif is_start:
-                x = _as_kwargs(self._signature(module), args, kwargs)["hidden_states"][:, lead:]
+                x = _as_kwargs(names, args, kwargs)["hidden_states"][:, lead:]
                 ctx = (self._select(route, x), x)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
             else:
@@ -208,7 +204,7 @@ class TreadHandle:
             if ctx is None:
                 return None
             keep = ctx[0]
-            kw = _as_kwargs(self._signature(module), args, kwargs)
+            kw = _as_kwargs(names, args, kwargs)
             if is_start:
                 x = kw["hidden_states"]
                 kw["hidden_states"] = _join(x[:, :lead], start_route(x[:, lead:], keep))
@@ -275,6 +271,9 @@ def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: st
     if kept_count not in KEPT_COUNTS:
         raise UserError(f"apply_tread kept_count={kept_count!r}; choose one of {', '.join(KEPT_COUNTS)}")
     check_diffusers_version()
+    if hasattr(transformer, "_orig_mod") or getattr(transformer, "_compiled_call_impl", None) is not None:
+        raise UserError("this transformer is already compiled, and its compiled graphs would not see the routes; "
+                        "call apply_tread on the model first, then torch.compile it")
     family = family_of(transformer)
     if getattr(transformer, "_tread_handle", None) is not None:
         raise UserError("this transformer already has TREAD routes; call .remove() on the first handle first")
