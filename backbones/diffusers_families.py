@@ -165,3 +165,25 @@ def family_of(transformer) -> Family:
             return family
     raise UserError(f"apply_tread does not support {type(transformer).__name__}; supported diffusers "
                     f"transformers: {', '.join(FAMILIES)}")
+
+
+# What routing reads from each family's code, checked when apply_tread attaches: the transformer forward's
+# parameters (the grid, the text length, the refused inputs) and each block list's forward parameters (the
+# routed hidden_states and the per-token inputs `narrow` cuts). A diffusers version whose code differs here is
+# refused, naming the difference.
+_FLUX_BLOCK = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
+RELIES_ON = {
+    "PixArtTransformer2DModel": {"forward": ("hidden_states", "attention_mask", "encoder_hidden_states"),
+                                 "transformer_blocks": ("hidden_states", "attention_mask")},
+    "SD3Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "block_controlnet_hidden_states",
+                                          "skip_layers"),
+                              "transformer_blocks": ("hidden_states", "encoder_hidden_states", "temb")},
+    "FluxTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
+                                           "controlnet_block_samples", "controlnet_single_block_samples"),
+                               "transformer_blocks": _FLUX_BLOCK, "single_transformer_blocks": _FLUX_BLOCK},
+    "WanTransformer3DModel": {"forward": ("hidden_states", "encoder_hidden_states", "timestep"),
+                              "blocks": ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb")},
+    "AuraFlowTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states"),
+                                   "joint_transformer_blocks": ("hidden_states", "encoder_hidden_states", "temb"),
+                                   "single_transformer_blocks": ("hidden_states", "temb")},
+}

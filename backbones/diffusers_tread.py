@@ -29,28 +29,48 @@ non-reentrant checkpoint, diffusers' default: the skipped tokens rejoin from out
 import ast
 import contextvars
 import inspect
+import warnings
 from typing import Optional
 
 import torch
 
-from backbones.diffusers_families import Family, family_of
+from backbones.diffusers_families import RELIES_ON, Family, family_of
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
 from tread_utils.errors import UserError
 
-TESTED_DIFFUSERS = ("0.42",)  # major.minor versions whose block signatures and forward loops were checked
+TESTED_DIFFUSERS = ("0.42",)  # major.minor versions whose forward loops were run in the tests
 KEPT_COUNTS = ("authors", "simpletuner")
 MISSING_ROUTES = "TREAD training requires you to configure the routes"
 _RECORD = contextvars.ContextVar("tread_checkpoint_record", default=None)
 
 
-def check_diffusers_version(version: Optional[str] = None) -> None:
+def check_diffusers(transformer, family: Family, version: Optional[str] = None) -> None:
+    """Refuse a diffusers version whose code differs in what routing reads (RELIES_ON: the block lists and the
+    forward parameters), naming the difference; warn in one line on an untested version that passes."""
     import diffusers
 
     version = version or diffusers.__version__
+    model = next(cls.__name__ for cls in type(transformer).__mro__ if cls.__name__ in RELIES_ON)
+    for part in ("forward", *family.block_lists):
+        needed = RELIES_ON[model][part]
+        if part == "forward":
+            modules, where = [transformer], f"{model}.forward"
+        else:
+            modules, where = getattr(transformer, part, None), f"{model}.{part}"
+            if not isinstance(modules, torch.nn.ModuleList) or len(modules) == 0:
+                raise UserError(f"diffusers {version}: {where} is not a list of blocks; apply_tread routes through "
+                                f"it (tested on diffusers {', '.join(TESTED_DIFFUSERS)})")
+            where += "[i].forward"
+        for module in modules:
+            missing = [name for name in needed if name not in inspect.signature(module.forward).parameters]
+            if missing:
+                raise UserError(f"diffusers {version}: {where} has no parameter {', '.join(missing)}, which "
+                                f"apply_tread relies on (tested on diffusers {', '.join(TESTED_DIFFUSERS)})")
     if ".".join(version.split(".")[:2]) not in TESTED_DIFFUSERS:
-        raise UserError(f"apply_tread is tested on diffusers {', '.join(v + '.*' for v in TESTED_DIFFUSERS)}, "
-                        f"found {version}; install one of those (pip install 'diffusers~=0.42.0')")
+        warnings.warn(f"apply_tread: diffusers {version} passes the structural check of {model} but is untested "
+                      f"(tested: {', '.join(TESTED_DIFFUSERS)}); compare a routed step with tests/"
+                      f"test_diffusers_tread.py", stacklevel=3)
 
 
 def routes_from_config(tread_config, depth: int, selection: str = "random", **options) -> list:
@@ -270,11 +290,11 @@ def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: st
         raise UserError(f"apply_tread mask_rule={mask_rule!r}; choose one of {', '.join(MASK_RULES)}")
     if kept_count not in KEPT_COUNTS:
         raise UserError(f"apply_tread kept_count={kept_count!r}; choose one of {', '.join(KEPT_COUNTS)}")
-    check_diffusers_version()
     if hasattr(transformer, "_orig_mod") or getattr(transformer, "_compiled_call_impl", None) is not None:
         raise UserError("this transformer is already compiled, and its compiled graphs would not see the routes; "
                         "call apply_tread on the model first, then torch.compile it")
     family = family_of(transformer)
+    check_diffusers(transformer, family)
     if getattr(transformer, "_tread_handle", None) is not None:
         raise UserError("this transformer already has TREAD routes; call .remove() on the first handle first")
     depth = sum(len(getattr(transformer, name)) for name in family.block_lists)

@@ -341,16 +341,9 @@ def test_bad_routes_are_refused_in_one_line(routes, match):
     assert not model._forward_pre_hooks
 
 
-def test_unsupported_model_and_diffusers_version_are_refused(monkeypatch):
-    import diffusers
-
+def test_unsupported_model_is_refused():
     with pytest.raises(UserError, match="does not support Linear") as err:
         apply_tread(torch.nn.Linear(2, 2), ROUTE)
-    assert "\n" not in str(err.value)
-    model, _, _ = build("pixart")
-    monkeypatch.setattr(diffusers, "__version__", "0.30.3")
-    with pytest.raises(UserError, match="tested on diffusers 0.42.*, found 0.30.3") as err:
-        apply_tread(model, ROUTE)
     assert "\n" not in str(err.value)
 
 
