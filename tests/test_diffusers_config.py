@@ -84,3 +84,19 @@ def test_simpletuner_kept_count_in_a_routed_forward():
         model.train()
         model(**inputs)
         assert handle.last_keep[0].shape[1] == kept
+
+
+def test_the_readme_config_string_routes_as_it_is():
+    import ast
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## TREAD on diffusers models"):]
+    (literal,) = re.findall(r"^tread_config = ('[^\n]*')  #", section, re.M)
+    model, inputs, _ = build("flux", single_layers=4)  # 6 blocks: the route 2 -> -2 is blocks 2..4
+    handle = apply_tread(model, ast.literal_eval(literal))
+    assert (handle.routes[0].start_layer_idx, handle.routes[0].end_layer_idx) == (2, 4)
+    model.train()
+    model(**inputs)
+    assert handle.last_keep[0].shape == (2, 12)
