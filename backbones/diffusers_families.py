@@ -78,28 +78,24 @@ class SampleRope:
                         f"not know how to serve; call handle.remove() and report the diffusers version")
 
 
-def _text_then_kept(table: torch.Tensor, text: int, keep: torch.Tensor) -> SampleRope:
-    """Per sample: a [text + N, head_dim] table's text rows, then the rows of that sample's kept image tokens."""
-    rows = torch.cat([torch.arange(text, device=keep.device).expand(keep.shape[0], -1), text + keep], 1)
-    return SampleRope(table[rows.to(table.device)])
-
-
 def _joint_narrow(kw: dict, keep: torch.Tensor) -> None:
     """FLUX, FLUX.2, Chroma: the joint sequence is [text, image]. Its batch-shared RoPE (cos, sin) [T + N, head_dim]
-    becomes each sample's text rows and kept image rows; Chroma's attention mask [B, T + N] is cut the same way."""
+    becomes each sample's text rows and kept image rows; Chroma's attention mask and FLUX's (in
+    joint_attention_kwargs) are cut at the same positions."""
     if kw.get("encoder_hidden_states") is not None:
         text = kw["encoder_hidden_states"].shape[1]
     else:  # FLUX.2 and Chroma single-stream blocks: the text leads the (already cut) hidden_states
         text = kw["hidden_states"].shape[1] - keep.shape[1]
     rope = kw.get("image_rotary_emb")
+    positions = torch.cat([torch.arange(text, device=keep.device).expand(keep.shape[0], -1), text + keep], 1)
     if rope is not None:
-        kw["image_rotary_emb"] = tuple(_text_then_kept(table, text, keep) for table in rope)
-    mask = kw.get("attention_mask")
-    if mask is not None:
-        kw["attention_mask"] = torch.cat([mask[:, :text], mask[:, text:].gather(1, keep.to(mask.device))], 1)
-    if (kw.get("joint_attention_kwargs") or {}).get("attention_mask") is not None:
-        raise UserError("TREAD cannot route a FLUX forward given an attention_mask in joint_attention_kwargs; "
-                        "pass no attention mask while training with routes")
+        kw["image_rotary_emb"] = tuple(SampleRope(table[positions.to(table.device)]) for table in rope)
+    if kw.get("attention_mask") is not None:  # Chroma's [B, T + N]
+        kw["attention_mask"] = gather_attention_mask(kw["attention_mask"], positions, "Chroma")
+    extra = kw.get("joint_attention_kwargs") or {}
+    if extra.get("attention_mask") is not None:  # FLUX's, [B, T + N] or [B, 1 or heads, T + N, T + N]
+        kw["joint_attention_kwargs"] = dict(extra, attention_mask=gather_attention_mask(extra["attention_mask"],
+                                                                                        positions, "FLUX"))
 
 
 def _qwen_narrow(kw: dict, keep: torch.Tensor) -> None:
@@ -126,6 +122,22 @@ def _wan_narrow(kw: dict, keep: torch.Tensor) -> None:
         kw["temb"] = kw["temb"][_rows(keep), keep]
 
 
+def gather_attention_mask(mask: torch.Tensor, positions: torch.Tensor, family: str) -> torch.Tensor:
+    """The part of an attention mask [b, L] (keys) or [b, (h,) L or 1, L] at each sample's kept `positions`
+    [B, K'] of the L-token sequence: the key axis always, the query axis where it has the keys' length."""
+    length, batch = mask.shape[-1], positions.shape[0]
+    if mask.ndim not in (2, 3, 4) or mask.shape[0] not in (1, batch) or (mask.ndim > 2 and mask.shape[-2] not in
+                                                                          (1, length)):
+        raise UserError(f"TREAD cannot route a {family} attention mask of shape {tuple(mask.shape)}; give it "
+                        f"as [B, L] over the keys or [B, heads or 1, L or 1, L]")
+    mask = mask.expand(batch, *mask.shape[1:])
+    index = positions.to(mask.device).view(batch, *[1] * (mask.ndim - 2), -1)
+    mask = mask.gather(-1, index.expand(*mask.shape[:-1], -1))
+    if mask.ndim > 2 and mask.shape[-2] == length:
+        mask = mask.gather(-2, index.transpose(-1, -2).expand(*mask.shape[:-2], -1, mask.shape[-1]))
+    return mask
+
+
 def _ltx_narrow(kw: dict, keep: torch.Tensor) -> None:
     """LTX-Video's RoPE (cos, sin) [B, N, dim] is per sample already: each sample's kept rows; a per-token
     timestep embedding [B, N, 6 * dim] likewise ([B, 1, 6 * dim] is shared by the tokens)."""
@@ -149,14 +161,14 @@ def _hunyuan_narrow(kw: dict, keep: torch.Tensor) -> None:
     mask = kw.get("attention_mask")
     if mask is not None:
         video = mask.shape[-1] - kw["encoder_hidden_states"].shape[1]
-        kept = mask[..., :video].gather(-1, keep[:, None, None].to(mask.device).expand(*mask.shape[:3], -1))
-        kw["attention_mask"] = torch.cat([kept, mask[..., video:]], -1)
+        text = torch.arange(video, mask.shape[-1], device=keep.device).expand(keep.shape[0], -1)
+        kw["attention_mask"] = gather_attention_mask(mask, torch.cat([keep, text], 1), "HunyuanVideo")
 
 
 def _pixart_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """PixArt's image attention mask, a bias [B, 1, N] by the time it reaches the blocks, at the kept tokens."""
     if kw.get("attention_mask") is not None:
-        raise UserError("TREAD cannot route a PixArt forward given an image attention_mask; pass "
-                        "attention_mask=None (the text mask, encoder_attention_mask, is fine)")
+        kw["attention_mask"] = gather_attention_mask(kw["attention_mask"], keep, "PixArt")
 
 
 def _no_narrow(kw: dict, keep: torch.Tensor) -> None:
@@ -290,3 +302,46 @@ def family_of(transformer) -> Family:
             return family
     raise UserError(f"apply_tread does not support {type(transformer).__name__}; supported diffusers "
                     f"transformers: {', '.join(FAMILIES)}")
+
+
+# What routing reads from each family's code, checked when apply_tread attaches: the transformer forward's
+# parameters (the grid, the text length, the refused inputs) and each block list's forward parameters (the
+# routed hidden_states and the per-token inputs `narrow` cuts). A diffusers version whose code differs here is
+# refused, naming the difference.
+_FLUX_BLOCK = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
+RELIES_ON = {
+    "PixArtTransformer2DModel": {"forward": ("hidden_states", "attention_mask", "encoder_hidden_states"),
+                                 "transformer_blocks": ("hidden_states", "attention_mask")},
+    "SD3Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "block_controlnet_hidden_states",
+                                          "skip_layers"),
+                              "transformer_blocks": ("hidden_states", "encoder_hidden_states", "temb")},
+    "FluxTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
+                                           "controlnet_block_samples", "controlnet_single_block_samples"),
+                               "transformer_blocks": _FLUX_BLOCK, "single_transformer_blocks": _FLUX_BLOCK},
+    "WanTransformer3DModel": {"forward": ("hidden_states", "encoder_hidden_states", "timestep"),
+                              "blocks": ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb")},
+    "AuraFlowTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states"),
+                                   "joint_transformer_blocks": ("hidden_states", "encoder_hidden_states", "temb"),
+                                   "single_transformer_blocks": ("hidden_states", "temb")},
+    "Flux2Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_ids", "kv_cache",
+                                            "kv_cache_mode"),
+                                "transformer_blocks": ("hidden_states", "encoder_hidden_states", "image_rotary_emb"),
+                                "single_transformer_blocks": ("hidden_states", "encoder_hidden_states",
+                                                              "image_rotary_emb")},
+    "ChromaTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_ids", "attention_mask",
+                                             "controlnet_block_samples", "controlnet_single_block_samples"),
+                                 "transformer_blocks": ("hidden_states", "encoder_hidden_states", "image_rotary_emb",
+                                                        "attention_mask"),
+                                 "single_transformer_blocks": ("hidden_states", "image_rotary_emb", "attention_mask")},
+    "QwenImageTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_shapes",
+                                                "controlnet_block_samples"),
+                                    "transformer_blocks": ("hidden_states", "encoder_hidden_states",
+                                                           "image_rotary_emb", "modulate_index")},
+    "LTXVideoTransformer3DModel": {"forward": ("hidden_states", "num_frames", "height", "width", "video_coords"),
+                                   "transformer_blocks": ("hidden_states", "temb", "image_rotary_emb")},
+    "HunyuanVideoTransformer3DModel": {"forward": ("hidden_states", "encoder_hidden_states"),
+                                       "transformer_blocks": ("hidden_states", "encoder_hidden_states",
+                                                              "attention_mask", "freqs_cis"),
+                                       "single_transformer_blocks": ("hidden_states", "encoder_hidden_states",
+                                                                     "attention_mask", "image_rotary_emb")},
+}

@@ -16,9 +16,9 @@ with the mask (below) as its `force_keep`; routing runs only while the transform
 gradients are enabled, so evaluation, sampling and `torch.no_grad()` see the unchanged model.
 
 Mask: `handle.set_mask(mask)`, or `tread_mask=mask` as a keyword of the transformer's forward, marks image
-tokens that are never routed (SimpleTuner's force-keep for masked-loss training). `mask` is [B, N] over the
-tokens, or [B, H, W] ([B, F, H, W] for video) over the image at any resolution, max-pooled to the token grid:
-a token is kept if any of its pixels is in the mask. `masked_loss` weights a loss by the same mask.
+tokens that are never routed (SimpleTuner's force-keep for masked-loss training): a [B, N] token mask, or a
+mask image ([B, H, W]; [B, F, H, W] for video) in [0, 1] or SimpleTuner's [-1, 1] made into tokens by the
+handle's `mask_rule` (backbones/diffusers_masks.py has the forms and rules). `masked_loss` weights a loss by the same mask.
 
 Gradient checkpointing (`transformer.enable_gradient_checkpointing()`): diffusers runs each block through
 `transformer._gradient_checkpointing_func`, and the hooks run inside it, again when backward recomputes
@@ -26,34 +26,66 @@ the block. The handle wraps that function so each checkpointed call records the 
 used and its recomputation replays them: the recomputed forward routes the same tokens. (It needs a
 non-reentrant checkpoint, diffusers' default: the skipped tokens rejoin from outside the block.)
 """
+import ast
 import contextvars
 import inspect
+import warnings
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from backbones.diffusers_families import Family, family_of
+from backbones.diffusers_families import RELIES_ON, Family, family_of
+from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
 from tread_utils.errors import UserError
 
-TESTED_DIFFUSERS = ("0.42",)  # major.minor versions whose block signatures and forward loops were checked
+TESTED_DIFFUSERS = ("0.42",)  # major.minor versions whose forward loops were run in the tests
+KEPT_COUNTS = ("authors", "simpletuner")
 MISSING_ROUTES = "TREAD training requires you to configure the routes"
 _RECORD = contextvars.ContextVar("tread_checkpoint_record", default=None)
 
 
-def check_diffusers_version(version: Optional[str] = None) -> None:
+def check_diffusers(transformer, family: Family, version: Optional[str] = None) -> None:
+    """Refuse a diffusers version whose code differs in what routing reads (RELIES_ON: the block lists and the
+    forward parameters), naming the difference; warn in one line on an untested version that passes."""
     import diffusers
 
     version = version or diffusers.__version__
+    model = next(cls.__name__ for cls in type(transformer).__mro__ if cls.__name__ in RELIES_ON)
+    for part in ("forward", *family.block_lists):
+        needed = RELIES_ON[model][part]
+        if part == "forward":
+            modules, where = [transformer], f"{model}.forward"
+        else:
+            modules, where = getattr(transformer, part, None), f"{model}.{part}"
+            if not isinstance(modules, torch.nn.ModuleList) or len(modules) == 0:
+                raise UserError(f"diffusers {version}: {where} is not a list of blocks; apply_tread routes through "
+                                f"it (tested on diffusers {', '.join(TESTED_DIFFUSERS)})")
+            where += "[i].forward"
+        for module in modules:
+            missing = [name for name in needed if name not in inspect.signature(module.forward).parameters]
+            if missing:
+                raise UserError(f"diffusers {version}: {where} has no parameter {', '.join(missing)}, which "
+                                f"apply_tread relies on (tested on diffusers {', '.join(TESTED_DIFFUSERS)})")
     if ".".join(version.split(".")[:2]) not in TESTED_DIFFUSERS:
-        raise UserError(f"apply_tread is tested on diffusers {', '.join(v + '.*' for v in TESTED_DIFFUSERS)}, "
-                        f"found {version}; install one of those (pip install 'diffusers~=0.42.0')")
+        warnings.warn(f"apply_tread: diffusers {version} passes the structural check of {model} but is untested "
+                      f"(tested: {', '.join(TESTED_DIFFUSERS)}); compare a routed step with tests/"
+                      f"test_diffusers_tread.py", stacklevel=3)
 
 
 def routes_from_config(tread_config, depth: int, selection: str = "random", **options) -> list:
-    """SimpleTuner's tread_config (a dict with `routes`, or the list) as checked `Route`s over `depth` blocks.
-    A route that names no `selection` takes the call's, with its options."""
+    """SimpleTuner's tread_config (a dict with `routes`, the list, or its command line's string: one that starts
+    with `{` is read as a Python literal, as SimpleTuner reads `--tread_config`) as checked `Route`s over `depth`
+    blocks. A route that names no `selection` takes the call's, with its options."""
+    if isinstance(tread_config, str) and tread_config.lstrip().startswith("{"):
+        try:
+            tread_config = ast.literal_eval(tread_config.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as err:
+            why = str(err).splitlines()[0] if isinstance(err, SyntaxError) else "a name or call in it"
+            raise RouteError(f"the tread_config string is not a Python literal ({why}); write it as SimpleTuner's "
+                             f"--tread_config takes it, e.g. '{{\"routes\": [{{\"selection_ratio\": 0.5, "
+                             f"\"start_layer_idx\": 2, \"end_layer_idx\": -2}}]}}' (True/False/None, not JSON's "
+                             f"true/false/null)") from None
     routes = tread_config.get("routes") if hasattr(tread_config, "keys") else tread_config
     if not routes:
         raise RouteError(MISSING_ROUTES)
@@ -69,40 +101,15 @@ def routes_from_config(tread_config, depth: int, selection: str = "random", **op
     return resolved
 
 
-def mask_to_tokens(mask: torch.Tensor, grid: tuple, num_tokens: int) -> torch.Tensor:
-    """A per-sample mask [B, N] or [B, *image] as a [B, N] bool token mask over `grid` (max-pooled)."""
-    if mask.ndim == 2 and mask.shape[1] == num_tokens:
-        return mask.bool()
-    if mask.ndim != len(grid) + 1 or len(grid) not in (2, 3):
-        raise UserError(f"the TREAD mask must be [B, {num_tokens}] over the tokens or [B, "
-                        f"{', '.join('*' * len(grid))}] over the image (token grid {grid}); got {tuple(mask.shape)}")
-    pool = F.adaptive_max_pool2d if len(grid) == 2 else F.adaptive_max_pool3d
-    return pool(mask[:, None].float(), grid).flatten(1).bool()
+def positional_names(module) -> tuple:
+    """The names of `module.forward`'s positional parameters, read once at attach time (the hooks map a call's
+    positional arguments onto them without `inspect`, which torch.compile cannot trace)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in inspect.signature(module.forward).parameters.values() if p.kind in kinds)
 
 
-def masked_loss(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean of an unreduced loss over the masked region: `loss` [B, C, *image] with `mask` [B, *image'] at
-    any resolution (nearest-resized), or token layout `loss` [B, N, C] with `mask` [B, N]."""
-    weight = mask.to(loss.dtype)
-    if loss.ndim == 3 and weight.shape == loss.shape[:2]:
-        weight = weight[..., None]
-    else:
-        if weight.shape[1:] != loss.shape[2:]:
-            weight = F.interpolate(weight[:, None], size=loss.shape[2:], mode="nearest")[:, 0]
-        weight = weight[:, None]
-    weight = weight.expand_as(loss)
-    return (loss * weight).sum() / weight.sum().clamp_min(1.0)
-
-
-def _as_kwargs(signature: inspect.Signature, args, kwargs) -> dict:
-    bound = signature.bind(*args, **kwargs)
-    out = {}
-    for name, value in bound.arguments.items():
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            out.update(value)
-        else:
-            out[name] = value
-    return out
+def _as_kwargs(names: tuple, args, kwargs) -> dict:
+    return {**dict(zip(names, args)), **kwargs}
 
 
 class TreadHandle:
@@ -111,14 +118,16 @@ class TreadHandle:
     `last_keep[k]`: the kept token indices [B, K] of route k in the latest routed forward (for REPA-style
     losses on the kept tokens, and for checks)."""
 
-    def __init__(self, transformer, family: Family, routes: list):
+    def __init__(self, transformer, family: Family, routes: list, mask_rule: str = "half",
+                 kept_count: str = "authors"):
         self.transformer, self.family, self.routes = transformer, family, routes
+        self.mask_rule, self.kept_count = mask_rule, kept_count
         self.mask: Optional[torch.Tensor] = None
         self.last_keep: dict = {}
         self._on, self._force_keep, self._pending_mask, self._grid, self._live = False, None, None, None, {}
         self._lead: dict = {}  # block list -> leading text tokens in its hidden_states (this forward)
         self._tail = 0  # conditioning tokens after the image in every block's hidden_states (this forward)
-        self._signatures: dict = {}
+        self._names = positional_names(transformer)
         blocks = [(name, block) for name in family.block_lists for block in getattr(transformer, name)]
         self.depth = len(blocks)
         self._hooks = [transformer.register_forward_pre_hook(self._before_model, with_kwargs=True),
@@ -129,7 +138,7 @@ class TreadHandle:
             for i in range(route.start_layer_idx, route.end_layer_idx + 1):
                 kind, block = blocks[i]
                 self._hooks.append(block.register_forward_pre_hook(
-                    self._pre_hook(k, kind, i == route.start_layer_idx), with_kwargs=True))
+                    self._pre_hook(k, kind, i == route.start_layer_idx, positional_names(block)), with_kwargs=True))
             kind, block = blocks[route.end_layer_idx]
             self._hooks.append(block.register_forward_hook(self._post_hook(k, kind)))
         transformer._tread_handle = self
@@ -137,11 +146,11 @@ class TreadHandle:
     # -- the model-level hooks -------------------------------------------------------------------------
     def set_mask(self, mask: Optional[torch.Tensor]) -> None:
         """A per-sample mask (see the module doc) used by every following forward; None clears it."""
-        self.mask = mask
+        self.mask = None if mask is None else read_mask(mask)
 
     def _before_model(self, module, args, kwargs):
         mask = kwargs.pop("tread_mask", None)
-        mask = self.mask if mask is None else mask
+        mask = self.mask if mask is None else read_mask(mask)
         self._live, self._force_keep = {}, None
         self._on = module.training and torch.is_grad_enabled() and any(r.selection_ratio > 0 for r in self.routes)
         if getattr(module, "gradient_checkpointing", False):
@@ -150,42 +159,46 @@ class TreadHandle:
                 module._gradient_checkpointing_func = _replaying(func)
         if not self._on:
             return args, kwargs
-        kw = _as_kwargs(self._signature(module), args, kwargs)
+        self.last_keep = {}  # a new dict per routed forward: torch.compile guards on the contents of a kept one
+        kw = _as_kwargs(self._names, args, kwargs)
         for name in self.family.refused:
             if kw.get(name) is not None:
                 raise UserError(f"TREAD cannot route a {type(module).__name__} forward given {name}; train "
                                 f"without it, or call handle.remove() first")
-        self._grid, self._lead = self.family.grid(module, kw), self.family.lead(module, kw)
-        self._tail = self.family.tail(module, kw)
+        self._lead, self._tail = self.family.lead(module, kw), self.family.tail(module, kw)
+        self._grid = None if mask is None else self.family.grid(module, kw)  # FLUX reads it from data: no trace
         self._pending_mask = mask
         return args, kwargs
 
     def _after_model(self, module, args, output):
         self._live, self._pending_mask = {}, None
 
-    def _signature(self, module) -> inspect.Signature:
-        key = type(module)
-        if key not in self._signatures:
-            self._signatures[key] = inspect.signature(module.forward)
-        return self._signatures[key]
-
     # -- the block-level hooks -------------------------------------------------------------------------
     def _select(self, route, x: torch.Tensor) -> torch.Tensor:
         if self._pending_mask is not None:
-            self._force_keep = mask_to_tokens(self._pending_mask.to(x.device), self._grid, x.shape[1])
+            self._force_keep = mask_to_tokens(self._pending_mask.to(x.device), self._grid, x.shape[1],
+                                              self.mask_rule)
             self._pending_mask = None
         force_keep = self._force_keep
         if force_keep is not None and force_keep.shape != x.shape[:2]:
             raise UserError(f"the TREAD mask gives {tuple(force_keep.shape)} token flags for image tokens of shape "
                             f"{tuple(x.shape[:2])}; give one mask per sample over this image")
-        return select_kept_tokens(x, route.selection_ratio, None, route.selection, force_keep, **dict(route.options))
+        ratio = self._ratio(route.selection_ratio, x.shape[1])
+        return select_kept_tokens(x, ratio, None, route.selection, force_keep, **dict(route.options))
+
+    def _ratio(self, ratio: float, num_tokens: int) -> float:
+        """The ratio whose authors' count N - int(N * r) keeps what `kept_count` asks for: SimpleTuner's
+        N - round(N * ratio), at least one token (its round can skip all)."""
+        if self.kept_count == "authors" or ratio == 0:
+            return ratio
+        return (min(round(num_tokens * ratio), num_tokens - 1) + 0.5) / num_tokens
 
     def _span_of(self, kind: str, record: Optional[dict]) -> tuple:
         """Tokens before and after the image in this block's hidden_states; a recomputation reads its forward's."""
         span = (self._lead.get(kind, 0), self._tail)
         return span if record is None else record.setdefault("span", span)
 
-    def _pre_hook(self, k: int, kind: str, is_start: bool):
+    def _pre_hook(self, k: int, kind: str, is_start: bool, names: tuple):
         route = self.routes[k]
 
         def hook(module, args, kwargs):
@@ -196,7 +209,7 @@ class TreadHandle:
             elif not self._on:
                 ctx = None
             elif is_start:
-                x = _as_kwargs(self._signature(module), args, kwargs)["hidden_states"]
+                x = _as_kwargs(names, args, kwargs)["hidden_states"]
                 x = x[:, lead:x.shape[1] - tail]
                 ctx = (self._select(route, x), x)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
@@ -207,7 +220,7 @@ class TreadHandle:
             if ctx is None:
                 return None
             keep = ctx[0]
-            kw = _as_kwargs(self._signature(module), args, kwargs)
+            kw = _as_kwargs(names, args, kwargs)
             if is_start:
                 x = kw["hidden_states"]
                 image = start_route(x[:, lead:x.shape[1] - tail], keep)
@@ -267,13 +280,24 @@ def _replaying(checkpoint_func):
     return run
 
 
-def apply_tread(transformer, routes, *, selection: str = "random", **options) -> TreadHandle:
+def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: str = "half",
+                kept_count: str = "authors", **options) -> TreadHandle:
     """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
     HunyuanVideo or AuraFlow transformer; returns the handle.
-    `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none."""
-    check_diffusers_version()
+    `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
+    `mask_rule` makes a mask image into tokens ("half" or "any", backbones/diffusers_masks.py); `kept_count`
+    is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""
+    if mask_rule not in MASK_RULES:
+        raise UserError(f"apply_tread mask_rule={mask_rule!r}; choose one of {', '.join(MASK_RULES)}")
+    if kept_count not in KEPT_COUNTS:
+        raise UserError(f"apply_tread kept_count={kept_count!r}; choose one of {', '.join(KEPT_COUNTS)}")
+    if hasattr(transformer, "_orig_mod") or getattr(transformer, "_compiled_call_impl", None) is not None:
+        raise UserError("this transformer is already compiled, and its compiled graphs would not see the routes; "
+                        "call apply_tread on the model first, then torch.compile it")
     family = family_of(transformer)
+    check_diffusers(transformer, family)
     if getattr(transformer, "_tread_handle", None) is not None:
         raise UserError("this transformer already has TREAD routes; call .remove() on the first handle first")
     depth = sum(len(getattr(transformer, name)) for name in family.block_lists)
-    return TreadHandle(transformer, family, routes_from_config(routes, depth, selection, **options))
+    return TreadHandle(transformer, family, routes_from_config(routes, depth, selection, **options), mask_rule,
+                       kept_count)

@@ -230,15 +230,29 @@ def test_gradient_checkpointing_gives_the_same_gradients(name, checkpoint_func):
                                                                           "_tread_original")
 
 
+def tokens_by_hand(mask, grid, rule):
+    """Each token's 2x2 pixels (a frame's for video; packed latents: one pixel per token) counted by the rule."""
+    if mask.shape[1:] == grid:
+        mask = mask.flatten(1)[..., None]
+    elif len(grid) == 3:
+        mask = mask.reshape(B, grid[0], grid[1], 2, grid[2], 2).permute(0, 1, 2, 4, 3, 5).flatten(1, 3).flatten(2)
+    else:
+        mask = mask.reshape(B, grid[0], 2, grid[1], 2).permute(0, 1, 3, 2, 4).flatten(1, 2).flatten(2)
+    inside = mask.sum(-1)
+    return inside > mask.shape[-1] / 2 if rule == "half" else inside > 0
+
+
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("how", ["handle", "forward"])
-def test_masked_tokens_are_never_dropped(name, how):
+@pytest.mark.parametrize("how, rule", [("handle", "half"), ("forward", "half"), ("handle", "any")])
+def test_masked_tokens_are_never_dropped(name, how, rule):
     model, inputs, grid = build(name)
-    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.75, "start_layer_idx": 0, "end_layer_idx": 1}]})
-    image = (B, *[2 * g for g in grid]) if name != "wan" else (B, *grid[:1], *[2 * g for g in grid[1:]])
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.75, "start_layer_idx": 0, "end_layer_idx": 1}]},
+                         mask_rule=rule)
+    image = (B, *[2 * g for g in grid]) if len(grid) == 2 else (B, grid[0], *[2 * g for g in grid[1:]])  # video
     if name in PACKED:
         image = (B, *grid)  # packed latents: one mask pixel per token
-    mask = torch.rand(image) < 0.15
+    mask = torch.rand(image) < 0.4
+    tokens = tokens_by_hand(mask, grid, rule)
     model.train()
     for _ in range(3):
         if how == "handle":
@@ -247,8 +261,6 @@ def test_masked_tokens_are_never_dropped(name, how):
         else:
             run(model, dict(inputs, tread_mask=mask))
         keep = handle.last_keep[0]
-        pooled = torch.nn.functional.adaptive_max_pool3d(mask[:, None].float(), grid if len(grid) == 3 else (1, *grid))
-        tokens = pooled.flatten(1).bool() if name not in PACKED else mask.flatten(1)
         kept = torch.zeros_like(tokens).scatter(1, keep, True)
         assert tokens.any() and (kept | ~tokens).all()
 
@@ -298,16 +310,9 @@ def test_bad_routes_are_refused_in_one_line(routes, match):
     assert not model._forward_pre_hooks
 
 
-def test_unsupported_model_and_diffusers_version_are_refused(monkeypatch):
-    import diffusers
-
+def test_unsupported_model_is_refused():
     with pytest.raises(UserError, match="does not support Linear") as err:
         apply_tread(torch.nn.Linear(2, 2), ROUTE)
-    assert "\n" not in str(err.value)
-    model, _, _ = build("pixart")
-    monkeypatch.setattr(diffusers, "__version__", "0.30.3")
-    with pytest.raises(UserError, match="tested on diffusers 0.42.*, found 0.30.3") as err:
-        apply_tread(model, ROUTE)
     assert "\n" not in str(err.value)
 
 

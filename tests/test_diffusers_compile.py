@@ -1,0 +1,55 @@
+"""torch.compile on a routed diffusers transformer, as trainers compile it: as many graphs as the unrouted model,
+no break, no recompile after the first call, and the compiled model routes what the eager one does."""
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+
+pytest.importorskip("diffusers")
+from backbones import apply_tread  # noqa: E402
+from diffusers_tiny import build  # noqa: E402
+from tread_utils.errors import UserError  # noqa: E402
+
+FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow")
+ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
+
+
+def compiled_steps(model, inputs, seeds, handle=None):
+    """Training steps (forward and backward) of the compiled model with the eager backend: (graphs compiled,
+    graph breaks, each step's output and kept tokens); each step's output is checked against the eager model's."""
+    torch._dynamo.reset()
+    counters["graph_break"].clear()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    kept = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        out = compiled(**inputs)[0]
+        out.square().mean().backward()
+        if handle is not None:
+            kept.append(handle.last_keep[0].clone())
+            torch.manual_seed(seed)
+            assert torch.equal(model(**inputs)[0], out)  # the eager routed forward, same draw
+            assert torch.equal(handle.last_keep[0], kept[-1])
+    return counter.frame_count, sum(counters["graph_break"].values()), kept
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_routed_model_compiles_as_the_unrouted_one(name):
+    model, inputs, _ = build(name)
+    model.train()
+    unrouted, _, _ = compiled_steps(model, inputs, [0])
+    handle = apply_tread(model, ROUTE)
+    graphs, breaks, kept = compiled_steps(model, inputs, [0, 1, 2], handle)
+    assert (graphs, breaks) == (unrouted, 0), dict(counters["graph_break"])  # no recompile after the first call
+    assert not torch.equal(kept[0], kept[1])  # each call draws anew: no selection baked into the graph
+
+
+def test_a_compiled_model_is_refused_with_the_order_to_follow():
+    model, inputs, _ = build("sd3")
+    compiled = torch.compile(model, backend="eager")
+    for target in (compiled, model.compile(backend="eager") or model):
+        with pytest.raises(UserError, match="call apply_tread on the model first, then torch.compile") as err:
+            apply_tread(target, ROUTE)
+        assert "\n" not in str(err.value) and not model._forward_pre_hooks
