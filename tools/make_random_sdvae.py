@@ -1,7 +1,8 @@
 """A randomly initialised SD-VAE, built offline: the architecture of stabilityai/sd-vae-ft-ema (diffusers
 AutoencoderKL, 83.65M parameters) with seeded random weights, saved as a diffusers folder. A stand-in for
 timing `data.extract_latents` where the real weights cannot be downloaded; its latents mean nothing.
-`--images DIR` also writes seeded random 256 x 256 JPEGs in one class folder, the input of that timing:
+`--images DIR` also writes seeded random JPEGs (`--size`, 256 x 256 by default) in one class folder, the input of
+that timing:
 
     python -m tools.make_random_sdvae sdvae-arch-random --images imgs --num-images 32
     python -m data.extract_latents imgs/ out/ --vae sdvae-arch-random --batch-size 8 --num-workers 1
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--images", help="also write random JPEGs here, in one class folder")
     p.add_argument("--num-images", type=positive_int, default=32)
+    p.add_argument("--size", type=positive_int, default=256, help="the JPEGs' width and height")
     return p
 
 
@@ -57,8 +59,8 @@ def main(argv=None):
     print(f"saved a random-weight SD-VAE ({sum(q.numel() for q in vae.parameters()) / 1e6:.2f}M parameters) "
           f"to {args.out}")
     if args.images:
-        write_images(Path(args.images), args.num_images, args.seed)
-        print(f"wrote {args.num_images} random 256 x 256 JPEGs to {args.images}/0")
+        write_images(Path(args.images), args.num_images, args.seed, args.size)
+        print(f"wrote {args.num_images} random {args.size} x {args.size} JPEGs to {args.images}/0")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ paired with its unrouted loss and their difference carries only the route's effe
 speed-up and the block activation-memory fraction of a training step (training/flops.py for a DiT; a
 FlopCounterMode forward for a diffusers transformer), and optionally a measured step time.
 """
-import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from scipy import stats
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones.diffusers_families import family_of
-from backbones.diffusers_tread import _as_kwargs, apply_tread
+from backbones.diffusers_tread import apply_tread, positional_names
 from data import build_dataset
 from dit import get_model
 from routing_module import TokenRouter, as_routes
@@ -174,7 +173,7 @@ class DiffusersSubject:
         return [b for n in self.family.block_lists for b in getattr(self.model, n)]
 
     def block_tokens(self, block, args, kwargs, output):
-        hidden = _as_kwargs(_signature(block), args, kwargs)["hidden_states"]
+        hidden = {**dict(zip(positional_names(block), args)), **kwargs}["hidden_states"]
         kind = next(n for n in self.family.block_lists if any(b is block for b in getattr(self.model, n)))
         out = self.family.image(output, kind)
         return hidden[:, hidden.shape[1] - out.shape[1]:] if hidden.shape[1] != out.shape[1] else hidden, out
@@ -213,15 +212,6 @@ class DiffusersSubject:
         finally:
             self.model.zero_grad(set_to_none=True)
             self.model.requires_grad_(False)
-
-
-_SIGNATURES = {}
-
-
-def _signature(module):
-    if type(module) not in _SIGNATURES:
-        _SIGNATURES[type(module)] = inspect.signature(module.forward)
-    return _SIGNATURES[type(module)]
 
 
 def batches(samples, batch_size: int):
