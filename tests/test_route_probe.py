@@ -204,3 +204,14 @@ def test_docs_finetune_table_is_the_committed_runs():
         assert f"| {statistics.mean(after):.4f} ± {statistics.stdev(after):.4f} |" in line
         if name != "0->0 @ 0":
             assert f"| {probe[name]['damage']:+.3f} |" in line
+
+
+def test_a_family_without_an_objective_is_refused_before_its_weights_load(flux_inputs, tmp_path, capsys):
+    folder = tmp_path / "pixart"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_class_name": "PixArtTransformer2DModel"}))
+    (folder / "diffusion_pytorch_model.safetensors").write_bytes(b"not loaded")
+    with pytest.raises(SystemExit) as stop:
+        report_user_errors(main)([str(folder), "--data", str(flux_inputs / "inputs.pt"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "objective covers FluxTransformer2DModel, SD3Transformer2DModel" in err, err

@@ -140,6 +140,9 @@ def load_subject(args):
     cls = getattr(diffusers, config["_class_name"], None)
     if cls is None:
         raise UserError(f"{folder}/config.json names {config['_class_name']}, which diffusers does not have")
+    if config["_class_name"] not in DiffusersSubject.FAMILIES:  # before loading the weights
+        raise UserError(f"the probe's flow-matching objective covers {', '.join(DiffusersSubject.FAMILIES)}; "
+                        f"{folder} holds a {config['_class_name']}")
     if any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
         transformer, source = cls.from_pretrained(folder), str(folder)
     else:  # a config alone: the architecture with random weights (a dry run of the probe on a new model)
