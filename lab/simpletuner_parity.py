@@ -28,7 +28,7 @@ RATIOS = (0.1, 0.25, 0.3, 0.35, 0.5, 0.55, 0.6, 0.7, 0.75, 0.9)
 
 def load_router(code_dir) -> tuple:
     """SimpleTuner's TREADRouter class, loaded from a checkout or an installed package directory, and the
-    file's path and sha256 (which version ran)."""
+    file's path in that directory and its sha256 (which version ran; no machine path in the log)."""
     for relative in ROUTER_FILES:
         path = Path(code_dir) / relative
         if path.is_file():
@@ -38,7 +38,7 @@ def load_router(code_dir) -> tuple:
                 spec.loader.exec_module(module)
             except Exception as err:
                 raise UserError(f"--simpletuner-code: importing {path} failed ({type(err).__name__}: {err})") from None
-            return module.TREADRouter, f"{path} sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
+            return module.TREADRouter, f"{relative} sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
     raise UserError(f"--simpletuner-code {code_dir}: no {' or '.join(ROUTER_FILES)}; pass a SimpleTuner checkout or "
                     f"its installed package directory")
 
