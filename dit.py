@@ -274,7 +274,7 @@ def checked_arguments(params, where: str = "model.params") -> dict:
         if value != supported:
             raise UserError(f"{name(key)}={value!r} is not supported: only {supported!r} ({why}); "
                             f"remove the key or set it to {supported!r}")
-    defaults = {n: p.default for n, p in inspect.signature(DiT.__init__).parameters.items() if n != "self"}
+    defaults = dit_defaults()
     for key, value in params.items():
         kind = type(defaults[key])  # routes (default None): checked by as_routes below
         ok = is_number(value, integer=kind is int) if kind in (int, float) else kind is type(None) or \
@@ -297,6 +297,11 @@ def checked_arguments(params, where: str = "model.params") -> dict:
 
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def dit_defaults() -> dict:
+    """Every argument of `DiT` with its default value."""
+    return {n: p.default for n, p in inspect.signature(DiT.__init__).parameters.items() if n != "self"}
 
 
 def model_kwargs(backbone_type: str, params, where: str = "model.params") -> dict:

@@ -108,7 +108,8 @@ def positional_names(module) -> tuple:
     return tuple(p.name for p in inspect.signature(module.forward).parameters.values() if p.kind in kinds)
 
 
-def _as_kwargs(names: tuple, args, kwargs) -> dict:
+def bound_kwargs(names: tuple, args, kwargs) -> dict:
+    """A call's arguments by name: its positional ones mapped onto `names` (`positional_names`)."""
     return {**dict(zip(names, args)), **kwargs}
 
 
@@ -160,7 +161,7 @@ class TreadHandle:
         if not self._on:
             return args, kwargs
         self.last_keep = {}  # a new dict per routed forward: torch.compile guards on the contents of a kept one
-        kw = _as_kwargs(self._names, args, kwargs)
+        kw = bound_kwargs(self._names, args, kwargs)
         for name in self.family.refused:
             if kw.get(name) is not None:
                 raise UserError(f"TREAD cannot route a {type(module).__name__} forward given {name}; train "
@@ -209,7 +210,7 @@ class TreadHandle:
             elif not self._on:
                 ctx = None
             elif is_start:
-                x = _as_kwargs(names, args, kwargs)["hidden_states"]
+                x = bound_kwargs(names, args, kwargs)["hidden_states"]
                 x = x[:, lead:x.shape[1] - tail]
                 ctx = (self._select(route, x), x)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
@@ -220,7 +221,7 @@ class TreadHandle:
             if ctx is None:
                 return None
             keep = ctx[0]
-            kw = _as_kwargs(names, args, kwargs)
+            kw = bound_kwargs(names, args, kwargs)
             if is_start:
                 x = kw["hidden_states"]
                 image = start_route(x[:, lead:x.shape[1] - tail], keep)

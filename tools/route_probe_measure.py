@@ -18,7 +18,7 @@ from scipy import stats
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones.diffusers_families import family_of
-from backbones.diffusers_tread import apply_tread, positional_names
+from backbones.diffusers_tread import apply_tread, bound_kwargs, positional_names
 from data import build_dataset
 from dit import get_model
 from routing_module import TokenRouter, as_routes
@@ -173,7 +173,7 @@ class DiffusersSubject:
         return [b for n in self.family.block_lists for b in getattr(self.model, n)]
 
     def block_tokens(self, block, args, kwargs, output):
-        hidden = {**dict(zip(positional_names(block), args)), **kwargs}["hidden_states"]
+        hidden = bound_kwargs(positional_names(block), args, kwargs)["hidden_states"]
         kind = next(n for n in self.family.block_lists if any(b is block for b in getattr(self.model, n)))
         out = self.family.image(output, kind)
         return hidden[:, hidden.shape[1] - out.shape[1]:] if hidden.shape[1] != out.shape[1] else hidden, out

@@ -9,7 +9,6 @@ Wherever a run is accepted (sampling, init_from), a folder written by `python -m
 reads as a checkpoint holding only the EMA weights (training/exported.py; safetensors, nothing unpickled).
 """
 import contextlib
-import inspect
 import os
 import random
 import re
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from dit import DiT, get_model, model_kwargs
+from dit import dit_defaults, get_model, model_kwargs
 from edm import EDMLoss, EDMPrecond
 from rectified_flow import FlowPrecond, RFLoss
 from training.exported import read_export
@@ -126,11 +125,11 @@ SHAPE_KEYS = ("depth", "hidden_size", "num_heads", "mlp_ratio", "patch_size", "i
 def check_same_model(source_model: dict, model: dict, source) -> None:
     """One line naming the first size in which `source`'s model (its config's `model`) differs from this
     config's `model`, e.g. "the source has depth 4, this config 12"."""
-    theirs = model_kwargs(source_model["backbone_type"], source_model["params"], where=f"{source}'s model")
-    ours = model_kwargs(model["backbone_type"], model["params"])
-    defaults = {k: p.default for k, p in inspect.signature(DiT.__init__).parameters.items()}
+    theirs = {**dit_defaults(), **model_kwargs(source_model["backbone_type"], source_model["params"],
+                                               where=f"{source}'s model")}
+    ours = {**dit_defaults(), **model_kwargs(model["backbone_type"], model["params"])}
     for key in SHAPE_KEYS:
-        a, b = theirs.get(key, defaults[key]), ours.get(key, defaults[key])
+        a, b = theirs[key], ours[key]
         if a != b:
             raise UserError(f"init_from={source}: the source has {key} {a}, this config {b} "
                             f"(model.params.{key}); a model starts only from weights of its own sizes")

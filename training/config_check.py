@@ -110,9 +110,9 @@ def check_override_types(overrides, root=None):
 
 
 def exact_type(tp, value) -> bool:
-    """A flag must be a bool, a count an integer, a number never a bool (a string: Hydra's own check)."""
+    """A flag must be a bool, a count an integer, a number never a bool (a string: OmegaConf's own check)."""
     kind = scalar_type(tp)
-    if kind is None or value is None or isinstance(value, str):  # a string: OmegaConf's own check
+    if kind is None or value is None or isinstance(value, str):
         return True
     if kind is bool:
         return isinstance(value, bool)
@@ -128,7 +128,6 @@ def _walk_lists(cls, data, path: str, root):
         return
     for name, tp in _field_types(cls).items():
         value, element = data.get(name), list_element(tp)
-
         if dataclasses.is_dataclass(tp):
             if value is not None and not isinstance(value, dict):  # e.g. sampler=euler for sampler.name=euler
                 raise group_given_a_value(tp, f"{path}{name}", value)

@@ -6,7 +6,6 @@ the diffuser and its constants (``sigma_data``, ``P_mean``, ``P_std``), the data
 the latent scale its decoder uses), the class-dropout probability (classifier-free guidance) and the step.
 Reading one uses ``json`` and safetensors only: nothing in the folder is unpickled.
 """
-import inspect
 import json
 import os
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 
 from data.vae import SD_VAE_SCALE
-from dit import DiT, get_model, model_kwargs
+from dit import dit_defaults, get_model, model_kwargs
 from tread_utils.errors import UserError
 from tread_utils.hub import CONFIG_NAME, WEIGHTS_NAME, check_matches, read_config, read_weights, weight_shapes
 
@@ -43,7 +42,7 @@ def tread_section(run_cfg: dict, step: int) -> dict:
 
 def dit_arguments(run_cfg: dict) -> dict:
     """Every argument of `DiT` for the run's model (defaults written out too, so the file alone rebuilds it)."""
-    defaults = {n: p.default for n, p in inspect.signature(DiT.__init__).parameters.items() if n != "self"}
+    defaults = dit_defaults()
     chosen = model_kwargs(run_cfg["model"]["backbone_type"], run_cfg["model"]["params"])  # checked
     chosen["routes"] = [dict(r) for r in run_cfg["model"]["params"].get("routes") or []]  # as configured
     return json.loads(json.dumps({**defaults, **chosen, "grad_checkpointing": False}))  # plain JSON values

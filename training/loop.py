@@ -366,10 +366,11 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
     stop = StopSignal()
     step, run.steps_since_log, run.t_log = run.step, 0, time.time()
     bar = Progress(t.max_steps, step, accelerator.is_main_process)
+    off_after = t.get("routing_off_after")  # announced in the log when reached
     try:
         while step < t.max_steps:
             # Update weights and EMA.
-            if step == t.get("routing_off_after") and run.model.router.routes and accelerator.is_main_process:
+            if step == off_after and run.model.router.routes and accelerator.is_main_process:
                 bar.write(f"step {step}: routing off from here on (train.routing_off_after={step}), every token "
                           f"through every block")
             update_weights(run, step, model_params, ema_params)

@@ -86,8 +86,7 @@ def refuse_missing_folder(model_id) -> None:
     path = Path(text).expanduser()
     if path.exists():
         return
-    local = text.startswith(("/", "~", ".")) or text.count("/") != 1 or path.parent.is_dir()
-    if local or "\\" in text:
+    if text.startswith(("/", "~", ".")) or text.count("/") != 1 or "\\" in text or path.parent.is_dir():
         near = sorted(p.name for p in path.parent.iterdir() if p.is_dir())[:8] if path.parent.is_dir() else []
         raise UserError(f"no such folder: {text}" + (f" ({path.parent} holds: {', '.join(near)})" if near else "")
                         + f"; give an exported model folder ({EXPORT_HINT}) or a Hub repository id owner/name")
