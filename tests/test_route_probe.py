@@ -169,41 +169,103 @@ def test_docs_tables_are_the_validation_json():
 
 
 def test_finetune_check_runs_accumulate_in_chunks(tmp_path):
-    """The fine-tuning check's runs at equal FLOPs: a route trains budget x its FLOP bound steps, and runs from
-    several commands (one route each) end in one table."""
+    """The fine-tuning check's runs at equal FLOPs: a route trains budget x its FLOP bound steps, runs from
+    several commands (one route each) end in one table with the samples' scores, a finished run is not redone and
+    other settings are refused rather than mixed in."""
     from tools import route_probe_finetune
 
     route_probe_finetune.main(["pretrain", "--out", str(tmp_path), "--steps", "1"])
     args = ["lora", "--model", str(tmp_path / "transformer"), "--seeds", "0", "--budget", "2", "--batch-size", "4",
-            "--out", str(tmp_path / "ft")]
+            "--samples-per-class", "2", "--sample-steps", "2", "--out", str(tmp_path / "ft")]
     route_probe_finetune.main([*args, "--routes", "2:10:0.5"])
     route_probe_finetune.main([*args, "--routes", "3:8:0"])
+    route_probe_finetune.main([*args, "--routes", "3:8:0"])  # resumed: already there, nothing redone
     saved = json.loads((tmp_path / "ft" / "finetune.json").read_text())
     routed, unrouted = saved["runs"]
     assert (routed["route"], unrouted["route"]) == ("2->10 @ 0.5", "3->8 @ 0") and len(saved["commands"]) == 2
     assert routed["flop_speedup_bound"] > 1.2 and routed["steps"] == round(2 * routed["flop_speedup_bound"]) > 2
     assert unrouted["flop_speedup_bound"] == 1.0 and unrouted["steps"] == 2
     assert unrouted["eval_loss_after"] != unrouted["eval_loss_before"]  # the LoRA weights moved
+    for scores in (routed, unrouted, saved["before"]["pretrained"]):
+        assert scores["class_accuracy"] in {k / 10 for k in range(11)} and scores["fid"] > 0  # 2 x 5 samples
+    assert saved["before"]["real_train_digits"]["class_accuracy"] >= 0.9
     table = (tmp_path / "ft" / "finetune.md").read_text()
-    assert "| 2->10 @ 0.5 |" in table and "| 3->8 @ 0 |" in table
+    assert "| route | speed-up bound | steps | held-out loss after | per seed | difference | p |" in table
+    assert ("| model | class accuracy | per seed | difference | p | FID | per seed | difference | p |" in table
+            and "| pretrained, before fine-tuning |" in table and "| real training digits (10) |" in table)
+    assert sum(line.startswith("| 3->8 @ 0 |") for line in table.splitlines()) == 2  # a loss row, a samples row
     assert torch.load(tmp_path / "inputs.pt")["latents"].shape[1:] == (64, 4)
+    with pytest.raises(SystemExit) as stop:
+        report_user_errors(route_probe_finetune.main)([*args, "--routes", "3:8:0", "--sample-steps", "3"])
+    assert stop.value.code == 2 and json.loads((tmp_path / "ft" / "finetune.json").read_text()) == saved
 
 
-def test_docs_finetune_table_is_the_committed_runs():
+def test_digits_sampled_from_a_tiny_flux_are_deterministic_for_a_seed():
+    from tools.diffusers_toy import FixedTextEncoder, pack
+    from tools.route_probe_samples import sample_digits, unpack
+
+    x = torch.randn(3, 1, 16, 16)
+    assert torch.equal(unpack(pack(x)), x)
+    model, encoder, labels = random_flux(1, 32, 2, 1, 1, 16), FixedTextEncoder(16, 16), torch.tensor([5, 7, 9])
+    first = sample_digits(model, encoder, labels, 64, seed=3, steps=2, batch_size=2)
+    assert first.shape == (3, 1, 16, 16) and first.abs().max() <= 1
+    assert torch.equal(first, sample_digits(model, encoder, labels, 64, seed=3, steps=2, batch_size=2))
+    batched = sample_digits(model, encoder, labels, 64, seed=3, steps=2)  # the noise does not depend on batching
+    assert torch.allclose(first, batched, atol=1e-5)
+    assert not torch.equal(first, sample_digits(model, encoder, labels, 64, seed=4, steps=2))
+
+
+class TopLeftPixel(torch.nn.Module):
+    """A stub classifier: reads the top-left pixel p of a uint8 image as the class p // 20."""
+
+    def forward(self, images):
+        return {"logits": torch.nn.functional.one_hot(images[:, 0, 0, 0].long() // 20, 13).float()}
+
+
+def test_class_accuracy_and_fid_of_known_images():
+    from data.digits import load_digits_split
+    from evaluations.digits_classifier import class_accuracy, load_digits_classifier
+    from tools.route_probe_samples import class_reference, score
+
+    images = torch.zeros(4, 16, 16, 3, dtype=torch.uint8)
+    images[:, 0, 0] = torch.tensor([100, 120, 140, 160])[:, None]  # classes 5, 6, 7, 8
+    assert class_accuracy(images, torch.tensor([5, 6, 7, 9]), TopLeftPixel()) == 0.75
+    classifier = load_digits_classifier(device="cpu")
+    real, labels = load_digits_split("test", 16)
+    keep = labels >= 5
+    reference = class_reference(classifier, (5, 6, 7, 8, 9))
+    assert reference["count"] == int(keep.sum())
+    own = score(real[keep], labels[keep], classifier, reference)
+    assert own["class_accuracy"] >= 0.97 and abs(own["fid"]) < 1e-2  # the reference itself: FID 0
+    wrong = score(real[keep], 5 + (labels[keep] - 4) % 5, classifier, reference)  # every label another digit's
+    assert wrong["class_accuracy"] <= 0.03 and wrong["fid"] == pytest.approx(own["fid"])
+    assert score(real[~keep], labels[~keep], classifier, reference)["fid"] > 10  # digits 0-4 are far from 5-9
+
+
+def test_docs_finetune_tables_are_the_committed_runs():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    runs = json.loads((repo / "docs/results/route_probe/finetune/finetune.json").read_text())["runs"]
+    found = json.loads((repo / "docs/results/route_probe/finetune/finetune.json").read_text())
+    runs, before = found["runs"], found["before"]
     probe = by_route(json.loads((repo / "docs/results/route_probe/finetune_probe/probe.json").read_text()))
     doc = (repo / "docs/route_probe.md").read_text()
+
+    def spread(name, key, spec):
+        values = [r[key] for r in runs if r["route"] == name]
+        assert len(values) == 3
+        return f"| {statistics.mean(values):{spec}} ± {statistics.stdev(values):{spec}} |"
+
     for name, label in (("3->8 @ 0.75", "3 -> 8 at 0.75"), ("2->10 @ 0.5", "2 -> 10 at 0.5"),
                         ("3->8 @ 0.4", "3 -> 8 at 0.4"), ("0->0 @ 0", "no routing")):
-        after = [r["eval_loss_after"] for r in runs if r["route"] == name]
-        assert len(after) == 3
-        line = next(line for line in doc.splitlines() if line.startswith(f"| {label}"))
-        assert f"| {statistics.mean(after):.4f} ± {statistics.stdev(after):.4f} |" in line
+        loss, samples = [line for line in doc.splitlines() if line.startswith(f"| {label}")]
+        assert spread(name, "eval_loss_after", ".4f") in loss
         if name != "0->0 @ 0":
-            assert f"| {probe[name]['damage']:+.3f} |" in line
+            assert f"| {probe[name]['damage']:+.3f} |" in loss
+        assert spread(name, "class_accuracy", ".3f") in samples and spread(name, "fid", ".2f") in samples
+    pretrained = next(line for line in doc.splitlines() if line.startswith("| pretrained, before fine-tuning"))
+    assert f"| {before['pretrained']['class_accuracy']:.3f} |" in pretrained
+    assert f"| {before['pretrained']['fid']:.2f} |" in pretrained
 
 
 def test_a_family_without_an_objective_is_refused_before_its_weights_load(flux_inputs, tmp_path, capsys):

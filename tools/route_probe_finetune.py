@@ -10,7 +10,9 @@ single-stream blocks so that SimpleTuner's recommended routes fit, on the digits
 packed tokens, the class name as text), every weight trained; it writes the transformer and the probe's inputs
 file: the fine-tuning data, digits 5-9. `lora` fine-tunes LoRA adapters on digits 5-9 with each route and seed
 at equal FLOPs (`--budget` unrouted steps' worth: a route with FLOP-bound speed-up b trains round(budget x b)
-steps) and reports the unrouted loss on held-out digits 5-9 before and after (fixed noise, as the example's).
+steps) and reports the unrouted loss on held-out digits 5-9 before and after (fixed noise, as the example's), and
+the quality of digits 5-9 sampled from each fine-tuned model and from the pretrained one (tools/route_probe_samples.py):
+class accuracy and FID by the digits classifier.
 """
 import json
 import statistics
@@ -22,14 +24,20 @@ from scipy import stats
 
 from backbones.diffusers_tread import apply_tread
 from data.digits import load_digits_split
+from evaluations.digits_classifier import load_digits_classifier
 from tools.diffusers_toy import FixedTextEncoder, flow_matching_loss, pack, random_flux, step_flops
 from tools.finetune_lora import add_lora, eval_loss
+from tools.route_probe_samples import class_reference, real_digits, sample_digits, sample_labels, score
 from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.errors import UserError, report_user_errors
 
 RESOLUTION = 16
 PRETRAIN_CLASSES, FINETUNE_CLASSES = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9)
 WIDTH, HEADS, DUAL, SINGLE, TEXT_DIM = 64, 4, 2, 10, 32
+SAMPLE_SEED = 0  # the samples' noise: the same for every route, seed and the pretrained model
+# (key, column, format): the held-out loss, then the samples' scores, each compared with the first route by seed
+LOSS = ("eval_loss_after", "held-out loss after", ".4f")
+SAMPLES = (("class_accuracy", "class accuracy", ".3f"), ("fid", "FID", ".2f"))
 
 
 def digits(split: str, classes) -> tuple:
@@ -81,7 +89,7 @@ def parse_routes(text: str) -> list:
     return routes
 
 
-def lora_run(args, route: dict, seed: int, test) -> dict:
+def lora_run(args, route: dict, seed: int, test, sampling) -> dict:
     from diffusers import FluxTransformer2DModel
 
     model = FluxTransformer2DModel.from_pretrained(args.model)
@@ -96,51 +104,134 @@ def lora_run(args, route: dict, seed: int, test) -> dict:
     steps = round(args.budget * bound)
     losses = train(model, params, latents, labels, steps, args.batch_size, args.lr, seed)
     handle.remove()
-    return {"route": f"{route['start_layer_idx']}->{route['end_layer_idx']} @ {route['selection_ratio']:g}",
-            "seed": seed, "flop_speedup_bound": bound, "steps": steps, "train_loss_last20": statistics.mean(losses[-20:]),
-            "eval_loss_before": before, "eval_loss_after": eval_loss(model, *test)}
+    return {"route": route_name(route), "seed": seed, "flop_speedup_bound": bound, "steps": steps,
+            "train_loss_last20": statistics.mean(losses[-20:]), "eval_loss_before": before,
+            "eval_loss_after": eval_loss(model, *test), **sampling(model)}
+
+
+def route_name(route: dict) -> str:
+    return f"{route['start_layer_idx']}->{route['end_layer_idx']} @ {route['selection_ratio']:g}"
+
+
+def settings(args) -> dict:
+    """What makes runs comparable: runs accumulate in --out only under the same settings."""
+    return {"model": str(Path(args.model).resolve()), "budget": args.budget, "batch_size": args.batch_size,
+            "rank": args.rank, "lr": args.lr, "samples_per_class": args.samples_per_class,
+            "sample_steps": args.sample_steps, "sample_seed": SAMPLE_SEED}
+
+
+def sampler(args):
+    """fn(model) -> class accuracy and FID of `--samples-per-class` digits of each fine-tuned class, drawn from the
+    same noise whatever the model."""
+    classifier = load_digits_classifier(device="cpu")
+    reference = class_reference(classifier, FINETUNE_CLASSES)
+    labels = sample_labels(FINETUNE_CLASSES, args.samples_per_class)
+    tokens = (RESOLUTION // 2) ** 2
+
+    def sampling(model) -> dict:
+        images = sample_digits(model, text_encoder(), labels, tokens, SAMPLE_SEED, args.sample_steps)
+        return score(images, labels, classifier, reference)
+    return sampling, classifier, reference
+
+
+def baselines(args, sampling, classifier, reference) -> dict:
+    """The pretrained model's samples (digits it never saw) and real training digits, scored the same way."""
+    from diffusers import FluxTransformer2DModel
+
+    images, labels = real_digits(FINETUNE_CLASSES, args.samples_per_class)
+    return {"pretrained": sampling(FluxTransformer2DModel.from_pretrained(args.model)),
+            "real_train_digits": score(images, labels, classifier, reference),
+            "reference_count": reference["count"]}
 
 
 def lora(args) -> None:
     routes, seeds = parse_routes(args.routes), [int(s) for s in args.seeds.split(",")]
-    test_latents, test_labels = digits("test", FINETUNE_CLASSES)
-    test = (test_latents, *text_encoder()(test_labels))
     out = Path(args.out)
     saved = out / "finetune.json"
-    # runs accumulate in --out, so a long comparison runs in chunks (one route per command) and ends in one table
-    earlier = json.loads(saved.read_text()) if saved.is_file() else {"commands": [], "runs": []}
-    runs, commands = earlier["runs"], earlier["commands"] + [args.command]
+    # runs accumulate in --out, one saved per route and seed, so a long comparison runs in chunks and a killed
+    # command redoes only the run it was in
+    earlier = json.loads(saved.read_text()) if saved.is_file() else {"settings": settings(args), "commands": [],
+                                                                       "runs": []}
+    if earlier.get("settings") != settings(args):
+        raise UserError(f"--out {out} holds runs made with other settings ({earlier.get('settings')}); give the same "
+                        f"options or another --out")
+    earlier["commands"] = list(dict.fromkeys(earlier["commands"] + [args.command]))
+    fewest = min(torch.bincount(digits("train", FINETUNE_CLASSES)[1])[list(FINETUNE_CLASSES)]).item()
+    if args.samples_per_class > fewest:
+        raise UserError(f"--samples-per-class {args.samples_per_class}: the real digits it is compared with have "
+                        f"{fewest} training images in the rarest class; give at most that")
+    test_latents, test_labels = digits("test", FINETUNE_CLASSES)
+    test = (test_latents, *text_encoder()(test_labels))
+    sampling, classifier, reference = sampler(args)
+    out.mkdir(parents=True, exist_ok=True)
+    if "before" not in earlier:
+        earlier["before"] = baselines(args, sampling, classifier, reference)
+        save(out, earlier)
+    done = {(r["route"], r["seed"]) for r in earlier["runs"]}
     for route in routes:
         for seed in seeds:
-            runs.append(lora_run(args, route, seed, test))
-            r = runs[-1]
+            if (route_name(route), seed) in done:
+                print(f"{route_name(route)} seed {seed}: already in {saved}", flush=True)
+                continue
+            r = lora_run(args, route, seed, test, sampling)
+            earlier["runs"].append(r)
+            save(out, earlier)
             print(f"{r['route']} seed {seed}: {r['steps']} steps (bound {r['flop_speedup_bound']:.3f}x), held-out "
-                  f"loss {r['eval_loss_before']:.4f} -> {r['eval_loss_after']:.4f}", flush=True)
+                  f"loss {r['eval_loss_before']:.4f} -> {r['eval_loss_after']:.4f}, class accuracy "
+                  f"{r['class_accuracy']:.3f}, FID {r['fid']:.2f}", flush=True)
+    print((out / "finetune.md").read_text())
+
+
+def save(out: Path, results: dict) -> None:
+    (out / "finetune.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "finetune.md").write_text("\n".join(report(results)) + "\n")
+
+
+def compared(runs, name: str, first: str, key: str, spec: str) -> list:
+    """Cells for one route and metric: mean ± std over seeds, the per-seed values, the mean difference from route
+    `first` paired by seed and its paired t-test p."""
+    mine = {r["seed"]: r[key] for r in runs if r["route"] == name}
+    theirs = {r["seed"]: r[key] for r in runs if r["route"] == first}
+    values, paired = [mine[s] for s in sorted(mine)], sorted(set(mine) & set(theirs))
+    spread = statistics.stdev(values) if len(values) > 1 else float("nan")
+    diff = statistics.mean(mine[s] - theirs[s] for s in paired) if paired else float("nan")
+    p = stats.ttest_rel([mine[s] for s in paired], [theirs[s] for s in paired]).pvalue \
+        if name != first and len(paired) > 1 else float("nan")
+    return [f"{statistics.mean(values):{spec}} ± {spread:{spec}}", ", ".join(f"{v:{spec}}" for v in values),
+            f"{diff:+{spec}}", f"{p:.3g}"]
+
+
+def report(results: dict) -> list:
+    runs, s, before = results["runs"], results["settings"], results["before"]
     names = list(dict.fromkeys(r["route"] for r in runs))
-    lines = ["# LoRA fine-tuning at equal FLOPs", "", "Commands:", "", *[f"    {c}" for c in commands], "",
-             f"Held-out loss (unrouted, digits {FINETUNE_CLASSES}, fixed noise) after LoRA fine-tuning of "
-             f"{args.budget} unrouted steps' FLOPs, mean ± std over seeds {seeds}.", "",
-             f"Difference: this route minus {names[0]}, paired by seed (same LoRA initialisation and batch order); "
-             "p: paired t-test (scipy.stats.ttest_rel).", "",
-             "| route | speed-up bound | steps | held-out loss after | per seed | difference | p |",
-             "|---|---|---|---|---|---|---|"]
-    first = {r["seed"]: r["eval_loss_after"] for r in runs if r["route"] == names[0]}
+    seeds = sorted({r["seed"] for r in runs})
+    n = s["samples_per_class"] * len(FINETUNE_CLASSES)
+    lines = ["# LoRA fine-tuning at equal FLOPs", "", "Commands:", "", *[f"    {c}" for c in results["commands"]], "",
+             f"LoRA fine-tuning on digits {FINETUNE_CLASSES} for {s['budget']} unrouted steps' FLOPs per route, "
+             f"mean ± std over seeds {seeds}.", "",
+             f"Difference: this route minus {names[0] if names else '-'}, paired by seed (same LoRA initialisation "
+             "and batch order); p: paired t-test (scipy.stats.ttest_rel).", "",
+             f"Held-out loss: unrouted, on the held-out digits {FINETUNE_CLASSES}, fixed noise; before fine-tuning "
+             f"{runs[0]['eval_loss_before']:.4f}." if runs else "No runs yet.", "",
+             f"| route | speed-up bound | steps | {LOSS[1]} | per seed | difference | p |", "|---|---|---|---|---|---|---|"]
     for name in names:
-        mine = {r["seed"]: r for r in runs if r["route"] == name}
-        after = [r["eval_loss_after"] for r in mine.values()]
-        spread = statistics.stdev(after) if len(after) > 1 else float("nan")
-        paired = sorted(set(mine) & set(first))
-        diff = [mine[s]["eval_loss_after"] - first[s] for s in paired]
-        p = stats.ttest_rel([mine[s]["eval_loss_after"] for s in paired], [first[s] for s in paired]).pvalue \
-            if name != names[0] and len(paired) > 1 else float("nan")
-        one = next(iter(mine.values()))
-        lines.append(f"| {name} | {one['flop_speedup_bound']:.3f}x | {one['steps']} | {statistics.mean(after):.4f} ± "
-                     f"{spread:.4f} | {', '.join(f'{a:.4f}' for a in after)} | "
-                     f"{statistics.mean(diff) if diff else float('nan'):+.4f} | {p:.3g} |")
-    out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps({"commands": commands, "runs": runs}, indent=1) + "\n")
-    (out / "finetune.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        one = next(r for r in runs if r["route"] == name)
+        lines.append(f"| {name} | {one['flop_speedup_bound']:.3f}x | {one['steps']} | "
+                     + " | ".join(compared(runs, name, names[0], *LOSS[::2])) + " |")
+    lines += ["", f"Samples: {s['samples_per_class']} per class ({n}), the class name as text, no guidance, Euler on "
+              f"the flow ODE in {s['sample_steps']} steps from the same noise (seed {s['sample_seed']}) for every "
+              "model. Class accuracy: the fraction the digits classifier reads as the digit asked for (chance 0.1). "
+              f"FID: digits classifier features against the {before['reference_count']} held-out digits of "
+              f"{FINETUNE_CLASSES}.", "",
+              "| model | " + " | ".join(f"{c} | per seed | difference | p" for _, c, _ in SAMPLES) + " |",
+              "|---|" + "---|---|---|---|" * len(SAMPLES)]
+    for label, row in (("pretrained, before fine-tuning", before["pretrained"]),
+                       (f"real training digits ({n})", before["real_train_digits"])):
+        lines.append(f"| {label} | " + " | ".join(f"{row[k]:{spec}} | | |" for k, _, spec in SAMPLES) + " |")
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(" | ".join(compared(runs, name, names[0], k, spec))
+                                                for k, _, spec in SAMPLES) + " |")
+    return lines
 
 
 def build_parser() -> ArgumentParser:
@@ -158,6 +249,9 @@ def build_parser() -> ArgumentParser:
     tune.add_argument("--batch-size", type=positive_int, default=16)
     tune.add_argument("--rank", type=positive_int, default=8)
     tune.add_argument("--lr", type=float, default=2e-3)
+    tune.add_argument("--samples-per-class", type=positive_int, default=50,
+                      help="digits drawn per fine-tuned class from each model, scored by the digits classifier")
+    tune.add_argument("--sample-steps", type=positive_int, default=10, help="Euler steps of the flow ODE")
     tune.add_argument("--out", required=True)
     return p
 
