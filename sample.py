@@ -20,16 +20,14 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config_check import check_sample_config, hydra_error_line
+from training.config_check import check_guidance_has_dropout, check_sample_config, hydra_error_line
 from training.config_schema import SampleSchema
-from tread_utils.cli import unknown_hydra_flag
 from tread_utils.errors import UserError, exit_with
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -58,16 +56,27 @@ def checked(cfg):
     return cfg, resolve_seeds(cfg.num_samples, cfg.seeds)
 
 
-def compose_config(argv):
-    """The checked options of a command line, composed as the command composes them, without running it
-    (for the checker of the documented commands)."""
+def composed(argv, hydra_node: bool = False):
+    """configs/sample.yaml with the overrides `argv`, composed by Hydra's compose API (no working directory,
+    logging or command-line state of its own); `hydra_node`: with Hydra's node (the help text)."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="sample"):
-            cfg = compose(CONFIG_NAME, overrides=list(argv))
+            return compose(CONFIG_NAME, overrides=list(argv), return_hydra_config=hydra_node)
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(hydra_error_line(e, SampleSchema)) from None
-    return checked(cfg)[0]
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose_config(argv):
+    """The checked options of a command line, without running it (for the checker of the documented commands)."""
+    return checked(composed(argv))[0]
+
+
+def help_text() -> str:
+    template = composed([], hydra_node=True).hydra.help.template  # configs/sample.yaml's hydra.help
+    return template.replace("$CONFIG", OmegaConf.to_yaml(composed([])))
 
 
 def run(cfg, seeds: list) -> None:
@@ -88,7 +97,6 @@ def run(cfg, seeds: list) -> None:
     grid = check_output_path(cfg.grid, ".png", "grid") if cfg.grid else None
     given = {k: v for k, v in OmegaConf.to_container(cfg.sampler, resolve=True).items() if v is not None}
     sampler_kwargs = {**generation.DEFAULT_SAMPLER, **given}
-    generation.make_sampler(sampler_kwargs)  # unknown sampler, setting or value: refused before loading anything
     path = ckpt.resolve_checkpoint(cfg.ckpt)
     accelerator = start_processes(cpu=not torch.cuda.is_available())
     set_precision_policy(bool(cfg.tf32))
@@ -97,6 +105,7 @@ def run(cfg, seeds: list) -> None:
     if class_labels is not None and not 0 <= class_labels < net.num_classes:
         raise UserError(f"class_labels={class_labels} is not a class of this model (0..{net.num_classes - 1})")
     drop_prob = run_cfg.get("train", {}).get("general", {}).get("class_drop_prob")
+    check_guidance_has_dropout("cfg_scale", cfg.cfg_scale, drop_prob)
     guided = generation.build_guided_net(net, OmegaConf.to_container(cfg, resolve=True), class_drop_prob=drop_prob)
     vae, vae_note = decoding_vae(run_cfg.get("dataset", {}), given=cfg.vae, option="vae")  # the latents' own
     decoder = decoder_for(run_cfg.get("dataset", {}), vae=vae, device=accelerator.device, vae_option=VAE_OPTION)
@@ -136,37 +145,24 @@ def _fail(message: str):
     exit_with(message, quiet=int(os.environ.get("RANK", "0")) != 0)
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base="1.3")
-def hydra_main(cfg: DictConfig) -> None:
+def main(argv=None) -> None:
+    """The command: `argv` (default: the command line) are Hydra overrides of configs/sample.yaml."""
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    if argv[:1] in (["--help"], ["-h"]):
+        print(help_text())
+        return
     try:
-        run(*checked(cfg))
+        flags = [a for a in argv if a.startswith("-")]
+        if flags:
+            raise UserError(f"unknown flag {flags[0]}; options are key=value overrides, e.g. {VAE_OPTION} "
+                            f"(see --help)")
+        run(*checked(composed(argv)))
     except UserError as e:
         _fail(str(e))
     except OmegaConfBaseException as e:
         _fail(f"configuration: {str(e).splitlines()[0]}")
     except KeyboardInterrupt:
         _fail("interrupted; no output was written")
-
-
-def main(argv=None) -> None:
-    """The command: `argv` (default: the command line) are Hydra overrides of configs/sample.yaml."""
-    saved_argv, saved_full_error = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
-    if argv is not None:
-        sys.argv = [str(Path(__file__).resolve()), *map(str, argv)]
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors (bad overrides) to us: one line, exit code 2
-    try:
-        flag = unknown_hydra_flag(sys.argv[1:], example=VAE_OPTION)
-        if flag:
-            _fail(flag)
-        hydra_main()
-    except (HydraException, OmegaConfBaseException) as e:
-        _fail(hydra_error_line(e, SampleSchema))
-    finally:
-        sys.argv = saved_argv
-        if saved_full_error is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = saved_full_error
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from data.batch_sampler import ResumableBatchSampler
 from data.digits import DigitsDataset
 from data.shards import LatentShardDataset
 from tread_utils.distributed import available_cores
-from tread_utils.errors import UserError
 
 # dataset.kind -> the training dataset for a `dataset` config
 DATASETS = {
@@ -25,10 +24,7 @@ DATASETS = {
 def build_dataset(dataset_cfg, seed: int = 0, teacher_images: bool = False):
     """The training dataset named by the `dataset` config group. `teacher_images`: latent samples also carry
     their clean image (REPA's teacher); the digits are their own images, so it changes nothing there."""
-    kind = dataset_cfg.kind
-    if kind not in DATASETS:
-        raise UserError(f"unknown dataset.kind {kind!r}; choose one of {', '.join(DATASETS)}")
-    return DATASETS[kind](dataset_cfg, seed, teacher_images)
+    return DATASETS[dataset_cfg.kind](dataset_cfg, seed, teacher_images)  # the kind: checked by the schema's rule
 
 
 def loader_workers(requested: int) -> tuple:

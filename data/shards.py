@@ -20,6 +20,7 @@ Sample i (any non-negative int) is sample i % N of epoch i // N; its randomness 
 (seed, epoch, i % N), so reads are reproducible whatever the worker layout - exact resume needs only i.
 """
 import bisect
+import contextlib
 import io
 import json
 import operator
@@ -76,11 +77,20 @@ def _npy_shape(fd, path, offset, size, key):
     return tuple(shape)
 
 
+@contextlib.contextmanager
+def reading_tar(path):
+    """A tar shard that cannot be read, as one line."""
+    try:
+        yield
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise UserError(f"{path}: unreadable tar shard ({e}); {REEXTRACT}") from None
+
+
 def index_tar(path):
     """(rows int64 [n, 6] = latent offset, latent size, cls offset, cls size, image offset, image size (-1, 0:
     none); keys) from the tar headers."""
     found, order = {}, []
-    try:
+    with reading_tar(path):
         file_size = os.path.getsize(path)
         with tarfile.open(path, "r:") as tf:
             for m in tf:
@@ -98,8 +108,6 @@ def index_tar(path):
                     found[key] = {}
                     order.append(key)
                 found[key][ext] = (m.offset_data, m.size)
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise UserError(f"{path}: unreadable tar shard ({e}); {REEXTRACT}") from None
     rows = np.zeros((len(order), 6), dtype=np.int64)
     for j, key in enumerate(order):
         parts = found[key]
@@ -173,13 +181,10 @@ class _TarShard:
             if not self.count:
                 return None
             return _npy_shape(self._fd(), self.path, self._rows[0, 0], self._rows[0, 1], self._keys[0])
-        try:  # count known from the manifest: look at the first few headers only
-            with tarfile.open(self.path, "r:") as tf:
-                for m in tf:
-                    if m.isfile() and m.name.endswith(LATENT_EXT):
-                        return _npy_shape(self._fd(), self.path, m.offset_data, m.size, m.name)
-        except (tarfile.TarError, OSError, EOFError) as e:
-            raise UserError(f"{self.path}: unreadable tar shard ({e}); {REEXTRACT}") from None
+        with reading_tar(self.path), tarfile.open(self.path, "r:") as tf:  # count from the manifest: first headers
+            for m in tf:
+                if m.isfile() and m.name.endswith(LATENT_EXT):
+                    return _npy_shape(self._fd(), self.path, m.offset_data, m.size, m.name)
         return None
 
     def has_images(self) -> bool:

@@ -138,8 +138,7 @@ def decode_latents(vae, latents_scaled: torch.Tensor, scale: float = SD_VAE_SCAL
 
     `quantize`: "truncate" maps [-1, 1] to [0, 1], clamps and truncates 255 x (the authors' decoder and
     ADM's sampling script); "round" rounds (x + 1) * 127.5 to the nearest level instead."""
-    if quantize not in QUANTIZE:
-        raise UserError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    assert quantize in QUANTIZE, f"quantize {quantize!r}: refused where it was given (SDVAEDecoder, the config check)"
     param = next(vae.parameters())
     x = vae.decode(latents_scaled.to(device=param.device, dtype=param.dtype) / scale).sample.float()
     if quantize == "truncate":

@@ -72,8 +72,9 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
                                with the deep path of every sprint route dropped in the weak pass; it follows
                                guidance_interval too
 
-    `class_drop_prob` (the run's train.general.class_drop_prob): 0 with cfg_scale != 1 is refused, since a
-    model trained without label dropout has no unconditional mode. Routing guidance needs TREAD routes.
+    `class_drop_prob` (the run's train.general.class_drop_prob): not 0 with cfg_scale != 1, since a model
+    trained without label dropout has no unconditional mode (the command refuses it: `guidance_needs_dropout`).
+    Routing guidance needs TREAD routes, path-drop guidance SPRINT routes.
     """
     options = options or {}
     get = options.get
@@ -87,13 +88,8 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
         assert 0 <= lo <= hi, f"guidance_interval {interval}"
         interval = (lo, hi)
     if cfg_scale != 1.0:
-        if class_drop_prob is not None and float(class_drop_prob) == 0.0:
-            raise UserError(f"cfg_scale={cfg_scale} needs a model trained with class dropout, but this run used "
-                            f"train.general.class_drop_prob=0 (no unconditional mode); use cfg_scale=1")
-        num_classes = getattr(net, "num_classes", 0)
-        if not num_classes:
-            raise UserError("classifier-free guidance needs a class-conditional model")
-        net = ClassifierFreeGuidance(net, cfg_scale, num_classes=num_classes, interval=interval)
+        assert class_drop_prob is None or class_drop_prob > 0, "guidance without class dropout: refused at the entry point"
+        net = ClassifierFreeGuidance(net, cfg_scale, num_classes=net.num_classes, interval=interval)
     if routing_scale is not None:
         _, backbone = _backbone(net)
         router = getattr(backbone, "router", None)
@@ -137,6 +133,10 @@ def make_sampler(sampler_kwargs: Optional[Mapping] = None):
     name = str(kwargs.pop("name", "edm"))
     if name not in SAMPLERS:
         raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(sorted(SAMPLERS))}")
+    lo, hi = kwargs.get("sigma_min"), kwargs.get("sigma_max")
+    if lo is not None and not (lo > 0 and (hi is None or lo < hi)):
+        raise UserError(f"sampler {name!r}: sigma_min={lo} must be > 0 and below sigma_max={hi}; "
+                        f"e.g. sigma_min=0.002 sigma_max=80")
     fn = bind_sampler(name, SAMPLERS[name], **kwargs)
     try:
         fn(_DryNet(), torch.zeros(1, 1, 1, 1), randn_like=torch.zeros_like)  # no draw from the global stream
@@ -244,20 +244,16 @@ def generate(net, seeds: Sequence[int], *, sampler_kwargs: Optional[Mapping] = N
         param = next(module.parameters(), None) if isinstance(module, torch.nn.Module) else None
         device = param.device if param is not None else accelerator.device if accelerator is not None else "cpu"
     device = torch.device(device)
-    if batch_size < 1:
-        raise UserError(f"batch_size must be a positive integer, got {batch_size}")
-    num_classes = int(num_classes if num_classes is not None else getattr(net, "num_classes", 0))
-    if num_classes < 1:
-        raise UserError("generate() needs a class-conditional net (num_classes >= 1)")
+    # the callers' values, checked where they were given (sample.py, training.config_check)
+    num_classes = int(num_classes if num_classes is not None else net.num_classes)
+    assert batch_size >= 1 and num_classes >= 1, (batch_size, num_classes)
     if class_labels is not None and np.ndim(class_labels) == 0:
         class_labels = int(class_labels)
     elif class_labels is not None:
         class_labels = [int(c) for c in class_labels]
-        if len(class_labels) != len(seeds):
-            raise UserError(f"class_labels has {len(class_labels)} entries for {len(seeds)} seeds")
+        assert len(class_labels) == len(seeds), f"class_labels has {len(class_labels)} entries for {len(seeds)} seeds"
     fixed = [class_labels] if isinstance(class_labels, int) else class_labels or []
-    if any(not 0 <= c < num_classes for c in fixed):
-        raise UserError(f"class labels must lie in 0..{num_classes - 1}, got {sorted(set(fixed))[:5]}")
+    assert all(0 <= c < num_classes for c in fixed), f"class labels must lie in 0..{num_classes - 1}"
     sampler = make_sampler(sampler_kwargs)
     shape = tuple(latent_shape) if latent_shape is not None else _latent_shape(net)
 

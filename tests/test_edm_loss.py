@@ -88,7 +88,7 @@ def drop_labels(drop_prob, labels, num_classes=10):
         return x * weight
 
     run = SimpleNamespace(accelerator=Accelerator(cpu=True), data_iter=iter([(torch.ones(len(labels)), labels)]),
-                          net=None, loss_fn=loss_fn, accum=1, repa_sum=None)
+                          net=None, loss_fn=loss_fn, accum=1, projector=None)
     accumulate_gradients(run, num_classes, drop_prob)
     return seen[0]
 

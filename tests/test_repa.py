@@ -324,7 +324,7 @@ def test_on_latent_shards_the_teacher_sees_the_stored_images_flipped_with_their_
         return x.sum((1, 2, 3))
 
     run = SimpleNamespace(accelerator=Accelerator(cpu=True), data_iter=iter(data), net=None, accum=1,
-                          loss_fn=RepaLoss(base, teacher, 0.5, 0, (1, 1)), repa_sum=None)
+                          loss_fn=RepaLoss(base, teacher, 0.5, 0, (1, 1)), projector=None)
     accumulate_gradients(run, num_classes=3, drop_prob=0.0)
     flipped = [bool((seen["x"][i].numpy() == pairs[i, 1]).all()) for i in range(6)]
     assert {True, False} == set(flipped)  # both cases occur at this seed

@@ -326,7 +326,7 @@ def test_generate_on_an_in_memory_model(trained_run):
     assert fixed.tolist() == [0, 1, 2]
     with pytest.raises(UserError, match="no setting"):
         generation.generate(net, [0], sampler_kwargs={"name": "edm", "steps": 3}, decoder=IdentityDecoder())
-    with pytest.raises(UserError, match="class labels"):
+    with pytest.raises(AssertionError, match="class labels"):  # sample.py refuses it first, naming class_labels
         generation.generate(net, [0], class_labels=11, decoder=IdentityDecoder(), progress=False)
 
 
@@ -338,7 +338,7 @@ def test_build_guided_net(trained_run):
     assert cfg.scale == 1.5 and cfg.interval == (0.3, 5.0)
     both = generation.build_guided_net(net, {"cfg_scale": 2, "routing_guidance": {"scale": 1.5}})
     assert both.net is not net and both.strong_ratio == 0.3 and both.weak_ratio == 0.7
-    with pytest.raises(UserError, match="class_drop_prob"):
+    with pytest.raises(AssertionError, match="class dropout"):  # sample.py refuses it first (check_guidance_has_dropout)
         generation.build_guided_net(net, {"cfg_scale": 2}, class_drop_prob=0)
     with pytest.raises(AssertionError, match="guidance_interval"):  # sample.py refuses it first (check_sample_config)
         generation.build_guided_net(net, {"cfg_scale": 2, "guidance_interval": [5, 1]})

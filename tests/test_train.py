@@ -276,7 +276,7 @@ def test_gradient_accumulation_equals_one_step_on_the_whole_batch(accum):
         model.zero_grad()
         batches = iter(zip(x.chunk(k), y.chunk(k)))
         run = SimpleNamespace(accelerator=Accelerator(cpu=True), data_iter=batches, net=model, loss_fn=loss_fn,
-                              accum=k, repa_sum=None)
+                              accum=k, projector=None)
         loss = accumulate_gradients(run, num_classes=10, drop_prob=0.0)
         return loss, [p.grad.clone() for p in model.parameters()]
 

@@ -80,8 +80,7 @@ def sections(cls, title: str, path: tuple, presets: dict, out: list):
     """One table per schema node (its leaf keys), then the nodes below it, depth first."""
     rows, nested, presets_below = [], [], presets
     for field in dataclasses.fields(cls):
-        key, doc, element = f"{title}.{field.name}" if title else field.name, field.metadata["doc"], \
-            list_element(field.type)
+        key, doc, element = f"{title}.{field.name}" if title else field.name, meaning(field), list_element(field.type)
         if dataclasses.is_dataclass(field.type):
             nested.append((field.type, key, path + (field.name,)))
         elif element is not None and dataclasses.is_dataclass(element):
@@ -96,6 +95,12 @@ def sections(cls, title: str, path: tuple, presets: dict, out: list):
         out += [f"| `{name}` | {value} | {doc.replace('|', chr(92) + '|')} |" for name, value, doc in rows]
     for tp, key, sub in nested:
         sections(tp, key, sub, presets_below if sub[-1] == 0 else presets, out)
+
+
+def meaning(field) -> str:
+    """A key's doc and, where its field has one, the rule its value follows."""
+    rule = field.metadata.get("rule")
+    return field.metadata["doc"] + (f"; {rule.allowed}" if rule is not None else "")
 
 
 def route_count(presets: dict, path) -> str:

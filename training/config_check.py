@@ -2,7 +2,8 @@
 directory created, no checkpoint touched. The schema (`training.config_schema`) is the configs' base, so
 composition has already refused a wrong type or an unknown key (`hydra_error_line` words Hydra's error);
 this pass merges the resolved config into the schema once more (a key added with `+` and a value an
-interpolation gave are typed there), then applies the value ranges and cross-field rules. The model's
+interpolation gave are typed there), then applies each key's rule (its schema field's `rule`) and the
+rules that span keys. The model's
 own rules (backbone, `model.params`, routes) are `dit.model_kwargs` and `routing_module.resolve_routes`,
 the checks Python callers of `dit.get_model` get too: this pass calls them last, so a bad value elsewhere
 is refused before torch is loaded. Each refusal is one UserError line naming the key, the value, what is
@@ -164,90 +165,37 @@ def refuse(key: str, value, allowed: str, fix: str = "") -> UserError:
     return UserError(f"{key}={value} is not allowed: it must be {allowed}" + (f"; {fix}" if fix else ""))
 
 
-def check(cfg, key: str, ok, allowed: str, fix: str = ""):
-    value = OmegaConf.select(cfg, key)
-    if not ok(value):
-        raise refuse(key, value, allowed, fix or f"e.g. {key}=<a value {allowed}>")
-
-
-def at_least(n):
-    return lambda v: v is not None and v >= n
-
-
-def in_unit(v):  # [0, 1)
-    return v is not None and 0 <= v < 1
-
-
-# (test, allowed) of a guidance interval, training's (train.eval) and sample.py's
-GUIDANCE_INTERVAL = (lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
-                     "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi")
-
-# (key, test, allowed, fix): single-key ranges of the training config
-RANGES = [
-    ("global_seed", at_least(0), ">= 0", ""),
-    ("init_from_weights", lambda v: v in S.INIT_FROM_WEIGHTS, f"one of {', '.join(S.INIT_FROM_WEIGHTS)}",
-     "e.g. init_from_weights=model_and_ema"),
-    ("lock_stale_minutes", lambda v: v > 0, "> 0 minutes", "e.g. lock_stale_minutes=60"),
-    ("train.max_steps", at_least(1), "at least 1", "e.g. train.max_steps=400000"),
-    ("train.ckpt_every", at_least(1), "at least 1 step", "e.g. train.ckpt_every=50000"),
-    ("train.keep_checkpoints.newest", lambda v: v is None or v >= 1, "null (keep all) or at least 1 (the newest "
-     "checkpoint is the one a resume reads)", "e.g. train.keep_checkpoints.newest=2"),
-    ("train.keep_checkpoints.every", lambda v: v is None or v >= 1, "null or a step interval >= 1",
-     "e.g. train.keep_checkpoints.every=100000"),
-    ("train.mixed_precision", lambda v: v in S.MIXED_PRECISION, f"one of {', '.join(S.MIXED_PRECISION)}",
-     "e.g. train.mixed_precision=bf16"),
-    ("train.cpu_threads", lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
-     "auto or an integer >= 1", "e.g. train.cpu_threads=auto"),
-    ("train.routing_off_after", lambda v: v is None or v >= 0, "null (never) or a step >= 0",
-     "e.g. train.routing_off_after=350000"),
-    ("train.dist_timeout_minutes", at_least(1), "at least 1 minute", "e.g. train.dist_timeout_minutes=60"),
-    ("train.general.batch_size", at_least(1), "at least 1", "e.g. train.general.batch_size=256"),
-    ("train.general.grad_accum_steps", at_least(1), "at least 1", "e.g. train.general.grad_accum_steps=1"),
-    ("train.general.class_drop_prob", in_unit, "in [0, 1)", "e.g. train.general.class_drop_prob=0.1"),
-    ("train.general.num_workers", at_least(0), ">= 0", "e.g. train.general.num_workers=4"),
-    ("train.optimizer.lr", lambda v: v > 0, "> 0", "e.g. train.optimizer.lr=1e-4"),
-    ("train.optimizer.betas", lambda v: len(v) == 2 and all(in_unit(b) for b in v), "two values in [0, 1)",
-     "e.g. train.optimizer.betas=[0.9,0.999]"),
-    ("train.optimizer.eps", lambda v: v > 0, "> 0", "e.g. train.optimizer.eps=1e-8"),
-    ("train.optimizer.weight_decay", at_least(0), ">= 0", "e.g. train.optimizer.weight_decay=0"),
-    ("train.optimizer.grad_clip", lambda v: v is None or v > 0, "null (no clipping) or > 0",
-     "e.g. train.optimizer.grad_clip=1.0"),
-    ("train.optimizer.warmup_steps", at_least(0), ">= 0 (0: no warm-up)", "e.g. train.optimizer.warmup_steps=0"),
-    ("train.ema.decay", in_unit, "in [0, 1) (1 would never move the EMA)", "e.g. train.ema.decay=0.9999"),
-    ("train.logging.log_interval", at_least(1), "at least 1 step", "e.g. train.logging.log_interval=100"),
-    ("train.eval.eval_interval", at_least(0), ">= 0 (0 = off)", "e.g. train.eval.eval_interval=50000"),
-    ("train.eval.batch_size", at_least(1), "at least 1", "e.g. train.eval.batch_size=64"),
-    ("train.eval.seed", at_least(0), ">= 0", "e.g. train.eval.seed=100000"),
-    ("train.eval.cfg_scales", lambda v: len(v) >= 1 and all(s is None or s >= 0 for s in v),
-     "a non-empty list of scales >= 0 or null (1 and null: unguided)", "e.g. train.eval.cfg_scales=[null,1.5]"),
-    ("train.eval.path_drop_scales", lambda v: all(s is not None and s >= 0 for s in v),
-     "a list of path-drop guidance scales >= 0 (empty: none)", "e.g. train.eval.path_drop_scales=[1.5]"),
-    ("train.eval.guidance_interval", *GUIDANCE_INTERVAL, "e.g. train.eval.guidance_interval=[0.3,2.9]"),
-    ("dataset.quantize", lambda v: v in S.QUANTIZE, f"one of {', '.join(S.QUANTIZE)}", "e.g. dataset.quantize=truncate"),
-    ("diffuser.name", lambda v: v in S.DIFFUSER_NAMES, f"one of {', '.join(S.DIFFUSER_NAMES)}", "e.g. diffuser=edm"),
-    ("diffuser.P_std", lambda v: v > 0, "> 0", "e.g. diffuser.P_std=1.2"),
-    ("diffuser.sigma_data", lambda v: v > 0, "> 0", "e.g. diffuser.sigma_data=0.5"),
-    ("dataset.kind", lambda v: v in S.DATASET_KINDS, f"one of {', '.join(S.DATASET_KINDS)}", "e.g. dataset=digits"),
-    ("repa.weight", at_least(0), ">= 0 (REPA: 0.5)", "e.g. repa.weight=0.5"),
-    ("repa.projector_dim", at_least(1), "at least 1 (REPA: 2048)", "e.g. repa.projector_dim=2048"),
-    ("repa.block", at_least(0), "a block index >= 0 (the tokens after that block are aligned)", "e.g. repa.block=3"),
-    ("repa.encoder", lambda v: v in S.REPA_ENCODERS, f"one of {', '.join(S.REPA_ENCODERS)}",
-     "e.g. repa.encoder=dinov2_vitb14"),
-]
-for _name in ("num_classes", "in_channels", "input_size"):
-    RANGES.append((f"model.params.{_name}", at_least(1), "at least 1", f"set dataset.{_name}"))
+def check_rules(cfg, cls, prefix: str = ""):
+    """Every key's own rule, from its schema field (`rule`, `eg`), depth first."""
+    for f in dataclasses.fields(cls):
+        key, rule = prefix + f.name, f.metadata.get("rule")
+        if dataclasses.is_dataclass(f.type):
+            check_rules(cfg, f.type, key + ".")
+        elif rule is not None:
+            value = OmegaConf.select(cfg, key)
+            if not rule.ok(value):
+                example = f.metadata["eg"]
+                raise refuse(key, value, rule.allowed, f"e.g. {key}={'...' if example is None else example}")
 
 
 def check_sampler(cfg, prefix: str):
-    """A sampler node (train.eval.sampler, sample.py's sampler): null entries mean the sampler's default."""
-    s = OmegaConf.select(cfg, prefix)
-    if s.name is not None and s.name not in S.SAMPLER_NAMES:
-        raise UserError(f"unknown sampler {prefix}.name={s.name}; choose one of {', '.join(S.SAMPLER_NAMES)}")
-    check(cfg, f"{prefix}.num_steps", lambda v: v is None or v >= 1, "at least 1", f"e.g. {prefix}.num_steps=40")
-    check(cfg, f"{prefix}.sigma_min", lambda v: v is None or v > 0, "> 0", f"e.g. {prefix}.sigma_min=0.002")
-    if s.sigma_min is not None and s.sigma_max is not None and not s.sigma_min < s.sigma_max:
-        raise refuse(f"{prefix}.sigma_min", s.sigma_min, f"below {prefix}.sigma_max={s.sigma_max}",
-                     f"e.g. {prefix}.sigma_min=0.002 {prefix}.sigma_max=80")
+    """A sampler node (train.eval.sampler, sample.py's sampler), built by the function that builds it for
+    sampling (generation.make_sampler, which checks its name, settings and values): null means its default."""
+    from generation import make_sampler  # torch: only for a config whose own values passed
+
+    try:
+        make_sampler(OmegaConf.to_container(OmegaConf.select(cfg, prefix)))
+    except UserError as e:
+        raise UserError(f"{prefix}: {e}") from None
+
+
+def check_guidance_has_dropout(key: str, scales, class_drop_prob):
+    """Classifier-free guidance (`scales`: a scale or a list; 1 and null are unguided) of a model trained with
+    `class_drop_prob` (train.general.class_drop_prob; null: not recorded)."""
+    unguided = "[null]" if isinstance(scales, list) else "1"
+    if class_drop_prob == 0 and any(s not in (None, 1) for s in (scales if isinstance(scales, list) else [scales])):
+        raise refuse(key, scales, f"{unguided} for a model trained with train.general.class_drop_prob=0 (without class "
+                     f"dropout it has no unconditional mode)", f"e.g. {key}={unguided}")
 
 
 def check_paths(cfg):
@@ -323,10 +271,8 @@ def check_cross(cfg, world_size: int):
                      f"at least {dims}, the feature dimension of the {cfg.dataset.kind} FID scorer (fewer samples "
                      f"give a singular covariance)", f"e.g. train.eval.fid_num_samples={max(dims, 2 * dims)}, "
                      f"or train.eval.eval_interval=0 (train.eval.smoke=true: an offline smoke run from 2 samples)")
-    if e.eval_interval > 0 and g.class_drop_prob == 0 and any(s not in (None, 1) for s in e.cfg_scales):
-        raise refuse("train.eval.cfg_scales", list(e.cfg_scales), "[null] when train.general.class_drop_prob=0 "
-                     "(a model trained without class dropout has no unconditional mode)",
-                     "e.g. train.eval.cfg_scales=[null]")
+    if e.eval_interval > 0:
+        check_guidance_has_dropout("train.eval.cfg_scales", list(e.cfg_scales), g.class_drop_prob)
     sprint = cfg.model.params.enable_routing and any((r.get("fusion") or "none") == "sprint"
                                                      for r in cfg.model.params.get("routes") or [])
     if e.eval_interval > 0 and e.path_drop_scales and not sprint:
@@ -364,8 +310,7 @@ def check_train_config(cfg, world_size: int = 1, overrides=()):
     data = resolved(cfg)
     merged = conform(S.ConfigSchema, data)
     refuse_missing(merged, S.ConfigSchema)
-    for key, ok, allowed, fix in RANGES:
-        check(merged, key, ok, allowed, fix)
+    check_rules(merged, S.ConfigSchema)
     if merged.dataset.kind != "shards":
         defaults = OmegaConf.structured(S.DatasetSchema)
         for name in S.SHARDS_ONLY:
@@ -402,28 +347,12 @@ def check_repa(cfg, depth: int):
         dinov2_weights_file(r.encoder_weights)
 
 
-# (key, test, allowed, fix): single-key ranges of sample.py's options
-SAMPLE_RANGES = [
-    ("num_samples", lambda v: v is None or v >= 1, "null (one image per seed) or at least 1", "e.g. num_samples=500"),
-    ("batch_size", at_least(1), "at least 1 (per process)", "e.g. batch_size=64"),
-    ("class_labels", lambda v: v is None or v >= 0, "null (a random class per seed) or a class index >= 0",
-     "e.g. class_labels=3"),
-    ("grid_per_class", at_least(1), "at least 1", "e.g. grid_per_class=8"),
-    ("grid_images", at_least(1), "at least 1", "e.g. grid_images=64"),
-]
-
-
 def check_sample_config(cfg):
     """sample.py's options (configs/sample.yaml); its command checks the rest (seeds, paths, checkpoint)."""
     merged = conform(S.SampleSchema, resolved(cfg))
     refuse_missing(merged, S.SampleSchema)
-    for key, ok, allowed, fix in SAMPLE_RANGES:
-        check(merged, key, ok, allowed, fix)
+    check_rules(merged, S.SampleSchema)
     check_sampler(merged, "sampler")
-    check(merged, "guidance_interval", *GUIDANCE_INTERVAL, "e.g. guidance_interval=[0.3,5]")
-    for key, example in (("weak_ratio", 0.7), ("strong_ratio", 0.3)):
-        check(merged, f"routing_guidance.{key}", in_unit, "in [0, 1) (the fraction of tokens that skip the routes)",
-              f"e.g. routing_guidance.{key}={example}")
     return merged
 
 

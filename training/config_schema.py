@@ -7,38 +7,81 @@ The schema is the base the YAML files extend: importing this module stores it in
 YAML defaults lists name them, so composition itself refuses an unknown key or a wrong type and fills the
 defaults here (a route's, for one). The YAML files stay the defaults users read: a key the YAML always sets
 has no default here (MISSING), a key it may leave out has its default here (None = "decided elsewhere",
-see its text). `training.config_check` then applies the value and cross-field rules.
+see its text). A key's value rule sits with its field (`rule`: checked by `training.config_check`, shown in
+the reference); `training.config_check` adds the rules that span keys.
 
 Light on purpose (dataclasses, omegaconf and Hydra's ConfigStore): a bad config is refused before torch
 is imported.
 """
+import importlib
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
-def key(doc: str, default=MISSING, factory=None):
-    """A schema field with its documentation; `factory` builds a mutable default (a list)."""
+@dataclass(frozen=True)
+class Rule:
+    """What a key's value may be: `ok(value)` and the words that say it (`allowed`: a string, or a function
+    that reads a registry when a config is checked or documented, so the names have one home)."""
+    ok: Callable[[Any], bool]
+    words: Union[str, Callable[[], str]]
+
+    @property
+    def allowed(self) -> str:
+        return self.words() if callable(self.words) else self.words
+
+
+def at_least(n) -> Rule:
+    return Rule(lambda v: v >= n, f">= {n}")
+
+
+def above(n) -> Rule:
+    return Rule(lambda v: v > n, f"> {n}")
+
+
+UNIT = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def one_of(*names) -> Rule:
+    return Rule(lambda v: v in names, f"one of {', '.join(names)}")
+
+
+def or_null(rule: Rule, meaning: str) -> Rule:
+    return Rule(lambda v: v is None or rule.ok(v), f"null ({meaning}) or {rule.allowed}")
+
+
+def each(rule: Rule, empty: str = "") -> Rule:
+    """A list whose every value follows `rule`; `empty`: what an empty list means (absent: refused)."""
+    return Rule(lambda v: (bool(empty) or len(v) > 0) and all(x is not None and rule.ok(x) for x in v),
+                f"a list of values {rule.allowed}" + (f" ({empty}: [])" if empty else ", at least one"))
+
+
+def registry(path: str) -> Rule:
+    """A name in a registry, `module:attribute`; read when the rule runs (the registries import torch)."""
+    def names():
+        module, _, attr = path.partition(":")
+        return tuple(getattr(importlib.import_module(module), attr))
+    return Rule(lambda v: v in names(), lambda: f"one of {', '.join(names())}")
+
+
+def key(doc: str, default=MISSING, factory=None, *, rule: Optional[Rule] = None, eg=None):
+    """A schema field with its documentation, the rule its value follows (checked by training.config_check, shown
+    by the reference) and an example value for a refusal's fix; `factory` builds a mutable default (a list)."""
+    metadata = {"doc": doc, "rule": rule, "eg": eg}
     if factory is not None:
-        return field(default_factory=factory, metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-# Names the config may choose from, defined by code that imports torch; tests/test_config_schema.py checks
-# each against its registry, so the two cannot drift apart.
-DIFFUSER_NAMES = ("edm", "rf")                       # training.checkpoint.DIFFUSERS
-DATASET_KINDS = ("digits", "shards")                 # data.DATASETS
-SAMPLER_NAMES = ("ablation", "edm", "euler", "flow", "heun")  # generation.SAMPLERS
 # dataset.kind -> feature dimension of the in-training FID scorer (digits classifier, Inception pool_3):
 # the covariance of fewer samples than this is singular and the FID meaningless.
 SCORER_FEATURE_DIMS = {"digits": 128, "shards": 2048}
-MIXED_PRECISION = ("no", "bf16", "fp16")
 SHARDS_ONLY = ("train_path", "scale_factor", "random_flip", "posterior_sampling", "quantize", "vae")  # dataset keys
-QUANTIZE = ("truncate", "round")                     # data.vae.QUANTIZE
-INIT_FROM_WEIGHTS = ("model_and_ema", "ema")  # training.loop.init_weights
-REPA_ENCODERS = ("dinov2_vitb14", "digits_classifier")  # training.repa_teachers.TEACHERS
+# [sigma_lo, sigma_hi] of a guidance interval, training's (train.eval) and sample.py's
+GUIDANCE_INTERVAL = Rule(lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
+                         "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi")
 
 
 @dataclass
@@ -71,9 +114,9 @@ class RouteSchema:
 
 @dataclass
 class ModelParamsSchema:
-    num_classes: int = key("number of classes (the null class is added)")
-    in_channels: int = key("latent channels")
-    input_size: int = key("latent height = width")
+    num_classes: int = key("number of classes (the null class is added): the dataset's", rule=at_least(1))
+    in_channels: int = key("latent channels: the dataset's", rule=at_least(1))
+    input_size: int = key("latent height = width: the dataset's", rule=at_least(1))
     enable_routing: bool = key("routing during training")
     routes: List[RouteSchema] = key("routes, in order, without overlap")
     depth: Optional[int] = key("override the backbone's number of blocks (null: the registry's)", None)
@@ -99,16 +142,16 @@ class ModelSchema:
 
 @dataclass
 class DiffuserSchema:
-    name: str = key("edm or rf (rectified flow)")
+    name: str = key("the diffusion formulation (rf: rectified flow)", rule=registry("training.checkpoint:DIFFUSERS"), eg="edm")
     P_mean: float = key("mean of log sigma (edm) or of the logit of t (rf) during training")
-    P_std: float = key("its standard deviation, > 0")
-    sigma_data: float = key("data standard deviation, > 0 (unused by rf)")
+    P_std: float = key("its standard deviation", rule=above(0), eg=1.2)
+    sigma_data: float = key("data standard deviation (unused by rf)", rule=above(0), eg=0.5)
 
 
 @dataclass
 class DatasetSchema:
     name: str = key("names the run")
-    kind: str = key("digits (embedded) or shards (precomputed latents)")
+    kind: str = key("the data (digits: embedded, shards: precomputed latents)", rule=registry("data:DATASETS"), eg="digits")
     in_channels: int = key("latent channels")
     input_size: int = key("latent height = width")
     num_classes: int = key("number of classes")
@@ -117,13 +160,15 @@ class DatasetSchema:
     scale_factor: Optional[float] = key("shards: latent scale (null: from the manifest, or measured)", None)
     random_flip: bool = key("shards: a random horizontal flip per read (stored flip pairs or the latent)", False)
     posterior_sampling: bool = key("shards: draw from stored posterior moments (false: their mean)", False)
-    quantize: str = key("shards: decoded images to uint8, truncate (the authors') or round", "truncate")
+    quantize: str = key("shards: decoded images to uint8 (truncate: the authors')", "truncate",
+                        rule=registry("data.vae:QUANTIZE"), eg="truncate")
     vae: Optional[str] = key("shards: SD-VAE folder or repo id for decoding (null: stabilityai/sd-vae-ft-ema)", None)
 
 
-# sampler key -> (type, meaning); every key may be null: the sampler's own default
+# sampler key -> (type, meaning); every key may be null: the sampler's own default. The values are checked by
+# generation.make_sampler, the function that builds the sampler.
 SAMPLER_KEYS = {
-    "name": (str, "edm (Heun) | heun | euler | ablation | flow (null: edm)"),
+    "name": (str, "a name in generation.SAMPLERS: edm (Heun), heun, euler, ablation, flow (null: edm)"),
     "num_steps": (int, "sampling steps, >= 1 (null: 40)"),
     "sigma_min": (float, "lowest noise level, < sigma_max"),
     "sigma_max": (float, "highest noise level"),
@@ -148,25 +193,27 @@ SamplerSchema = make_dataclass("SamplerSchema", [(name, Optional[tp], key(doc, N
 
 @dataclass
 class GeneralSchema:
-    batch_size: int = key("global batch, divisible by processes x grad_accum_steps")
-    class_drop_prob: float = key("label -> null class, for classifier-free guidance, in [0, 1)")
-    num_workers: int = key("data loader workers per process, >= 0")
-    grad_accum_steps: int = key("micro-batches per optimizer step, >= 1")
+    batch_size: int = key("global batch, divisible by processes x grad_accum_steps", rule=at_least(1), eg=256)
+    class_drop_prob: float = key("label -> null class, for classifier-free guidance", rule=UNIT, eg=0.1)
+    num_workers: int = key("data loader workers per process", rule=at_least(0), eg=4)
+    grad_accum_steps: int = key("micro-batches per optimizer step", rule=at_least(1), eg=1)
 
 
 @dataclass
 class OptimizerSchema:
-    lr: float = key("AdamW learning rate, > 0")
-    betas: List[float] = key("AdamW betas, each in [0, 1)")
-    eps: float = key("AdamW epsilon, > 0")
-    weight_decay: float = key("AdamW weight decay, >= 0")
-    grad_clip: Optional[float] = key("max gradient norm, > 0 (null: none)")
-    warmup_steps: int = key("linear learning-rate warm-up over this many steps, >= 0 (0: none, the authors')")
+    lr: float = key("AdamW learning rate", rule=above(0), eg=1e-4)
+    betas: List[float] = key("AdamW betas", rule=Rule(lambda v: len(v) == 2 and all(UNIT.ok(b) for b in v),
+                                                      "two values in [0, 1)"), eg="[0.9,0.999]")
+    eps: float = key("AdamW epsilon", rule=above(0), eg=1e-8)
+    weight_decay: float = key("AdamW weight decay", rule=at_least(0), eg=0)
+    grad_clip: Optional[float] = key("max gradient norm", rule=or_null(above(0), "no clipping"), eg=1.0)
+    warmup_steps: int = key("linear learning-rate warm-up over this many steps (0: none, the authors')",
+                            rule=at_least(0), eg=0)
 
 
 @dataclass
 class EMASchema:
-    decay: float = key("EMA of the weights, updated every step, in [0, 1)")
+    decay: float = key("EMA of the weights, updated every step (1 would never move it)", rule=UNIT, eg=0.9999)
 
 
 @dataclass
@@ -178,25 +225,30 @@ class WandbSchema:
 
 @dataclass
 class LoggingSchema:
-    log_interval: int = key("steps between log records, >= 1")
+    log_interval: int = key("steps between log records", rule=at_least(1), eg=100)
     tensorboard: bool = key("TensorBoard event files")
     wandb: WandbSchema = key("wandb", factory=WandbSchema)
 
 
 @dataclass
 class EvalSchema:
-    eval_interval: int = key("in-training FID every this many steps and at the end (0: off)")
+    eval_interval: int = key("in-training FID every this many steps and at the end (0: off)", rule=at_least(0),
+                             eg=50000)
     fid_num_samples: int = key("samples per FID, at least the scorer's feature dimension")
-    batch_size: int = key("sampling batch per process, >= 1")
-    seed: int = key("images use seeds seed .. seed + fid_num_samples - 1")
+    batch_size: int = key("sampling batch per process", rule=at_least(1), eg=64)
+    seed: int = key("images use seeds seed .. seed + fid_num_samples - 1", rule=at_least(0), eg=100000)
     sampler: SamplerSchema = key("the sampler (as sample.py's sampler)", factory=SamplerSchema)
     all_metrics: bool = key("also IS, sFID, precision, recall")
     ref_batch: Optional[str] = key("latents: ADM reference batch .npz (required when evaluating)")
     inception_weights: Optional[str] = key("Inception weights file (null: $TREAD_INCEPTION_WEIGHTS / cache)")
-    cfg_scales: List[Optional[float]] = key("guidance scales to evaluate, each >= 0 (1 or null: unguided)")
-    path_drop_scales: List[float] = key("SPRINT path-drop guidance scales to evaluate, each >= 0 (sprint routes)")
-    guidance_interval: Optional[List[float]] = key("[sigma_lo, sigma_hi]: guidance only inside (null: everywhere)",
-                                                   None)
+    cfg_scales: List[Optional[float]] = key(
+        "guidance scales to evaluate (1 or null: unguided)", rule=Rule(
+            lambda v: len(v) >= 1 and all(s is None or s >= 0 for s in v), "a non-empty list of scales >= 0 or null"),
+        eg="[null,1.5]")
+    path_drop_scales: List[float] = key("SPRINT path-drop guidance scales to evaluate (sprint routes)",
+                                        rule=each(at_least(0), empty="none"), eg="[1.5]")
+    guidance_interval: Optional[List[float]] = key("guidance only inside this noise interval (null: everywhere)",
+                                                   None, rule=GUIDANCE_INTERVAL, eg="[0.3,2.9]")
     fp32: bool = key("evaluate in fp32 whatever train.mixed_precision")
     smoke: bool = key("offline smoke test: random-init Inception (no weights), fid_num_samples from 2; the numbers "
                       "mean nothing", False)
@@ -204,24 +256,29 @@ class EvalSchema:
 
 @dataclass
 class KeepCheckpointsSchema:
-    newest: Optional[int] = key("keep the newest this many checkpoints, >= 1 (null: keep all, the authors')", None)
-    every: Optional[int] = key("with newest: also keep those at steps that are multiples of this, >= 1 (null: none)",
-                               None)
+    newest: Optional[int] = key("keep the newest this many checkpoints (the newest is the one a resume reads)", None,
+                                rule=or_null(at_least(1), "keep all, the authors'"), eg=2)
+    every: Optional[int] = key("with newest: also keep those at steps that are multiples of this", None,
+                               rule=or_null(at_least(1), "none"), eg=100000)
 
 
 @dataclass
 class TrainSchema:
-    max_steps: int = key("the run stops here, >= 1")
-    ckpt_every: int = key("checkpoint interval, >= 1 (also at the end and on SIGTERM/SIGINT)")
-    mixed_precision: str = key("no | bf16 | fp16 (accelerate)")
+    max_steps: int = key("the run stops here", rule=at_least(1), eg=400000)
+    ckpt_every: int = key("checkpoint interval (also at the end and on SIGTERM/SIGINT)", rule=at_least(1), eg=50000)
+    mixed_precision: str = key("accelerate's mixed precision", rule=one_of("no", "bf16", "fp16"), eg="bf16")
     compile: bool = key("torch.compile the backbone")
     compile_dynamic: Optional[bool] = key("compiled shapes: null (torch's default: static, dynamic once a shape "
                                           "changes), true (dynamic from the start), false (static: one graph per "
                                           "shape)", None)
     tf32: bool = key("TF32 matmuls/convolutions on CUDA")
-    cpu_threads: Any = key("CPU runs: torch threads per process, >= 1, or auto (cores / local processes)")
-    dist_timeout_minutes: int = key("timeout of collective operations between processes, > 0")
-    routing_off_after: Optional[int] = key("routing off from this training step on, >= 0 (null: never)", None)
+    cpu_threads: Any = key("CPU runs: torch threads per process, or auto (cores / local processes)", rule=Rule(
+        lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        "auto or an integer >= 1"), eg="auto")
+    dist_timeout_minutes: int = key("timeout of collective operations between processes, in minutes",
+                                    rule=at_least(1), eg=60)
+    routing_off_after: Optional[int] = key("routing off from this training step on", None,
+                                           rule=or_null(at_least(0), "never"), eg=350000)
     keep_checkpoints: KeepCheckpointsSchema = key("which checkpoints stay on disk (the newest always does)",
                                                   factory=KeepCheckpointsSchema)
     general: GeneralSchema = key("batch and data", factory=GeneralSchema)
@@ -234,12 +291,14 @@ class TrainSchema:
 @dataclass
 class RepaSchema:
     enabled: bool = key("REPA's alignment loss (off by default: the authors' code has none)")
-    block: int = key("the aligned block, 0-based: its output tokens, in 0..depth-1 (REPA's encoder_depth d: d-1)")
-    weight: float = key("weight of the alignment term, >= 0 (REPA: 0.5)")
-    encoder: str = key("the frozen teacher: dinov2_vitb14 or digits_classifier (digits only)")
+    block: int = key("the aligned block, 0-based: its output tokens, below the model's depth (REPA's encoder_depth "
+                     "d: d-1)", rule=at_least(0), eg=3)
+    weight: float = key("weight of the alignment term (REPA: 0.5)", rule=at_least(0), eg=0.5)
+    encoder: str = key("the frozen teacher (digits_classifier: dataset.kind=digits only)",
+                       rule=registry("training.repa_teachers:TEACHERS"), eg="dinov2_vitb14")
     encoder_weights: Optional[str] = key("dinov2_vitb14: weights file or folder (null: the Hugging Face cache); "
                                          "digits_classifier: a weights file (null: the shipped one)")
-    projector_dim: int = key("hidden width of REPA's 3-layer MLP projector, >= 1 (REPA: 2048)")
+    projector_dim: int = key("hidden width of REPA's 3-layer MLP projector (REPA: 2048)", rule=at_least(1), eg=2048)
 
 
 @dataclass
@@ -247,13 +306,14 @@ class ConfigSchema:
     """configs/config.yaml after composition (what train.py receives)."""
     results_dir: str = key("runs live in results_dir/run_name")
     run_name: str = key("the run directory's name (a sweep job: run_name/<its overrides>)")
-    global_seed: int = key("weights, data order and per-rank noise")
+    global_seed: int = key("weights, data order and per-rank noise", rule=at_least(0), eg=0)
     init_from: Optional[str] = key("new run from another run's weights (checkpoint file or run dir)")
     init_from_optimizer: bool = key("with init_from: also take its optimizer state")
-    init_from_weights: str = key("with init_from: model_and_ema (its model and EMA) or ema (its EMA as both, "
-                                 "as SPRINT's _ft configs)")
+    init_from_weights: str = key("with init_from: what to take (model_and_ema: its model and EMA; ema: its EMA as "
+                                 "both, as SPRINT's _ft configs)", rule=one_of("model_and_ema", "ema"), eg="model_and_ema")
     resume: bool = key("continue the newest checkpoint of run_name; false moves the old run aside")
-    lock_stale_minutes: float = key("a run lock from another host not refreshed for this long is stale, > 0")
+    lock_stale_minutes: float = key("a run lock from another host not refreshed for this many minutes is stale",
+                                    rule=above(0), eg=60)
     model: ModelSchema = key("the model group", factory=ModelSchema)
     diffuser: DiffuserSchema = key("the diffuser group", factory=DiffuserSchema)
     dataset: DatasetSchema = key("the dataset group", factory=DatasetSchema)
@@ -264,8 +324,8 @@ class ConfigSchema:
 @dataclass
 class RoutingGuidanceSchema:
     scale: Optional[float] = key("routing guidance scale (null: off)")
-    weak_ratio: float = key("fraction of tokens that skip the routes in the weak pass")
-    strong_ratio: float = key("... in the strong pass")
+    weak_ratio: float = key("fraction of tokens that skip the routes in the weak pass", rule=UNIT, eg=0.7)
+    strong_ratio: float = key("... in the strong pass", rule=UNIT, eg=0.3)
 
 
 @dataclass
@@ -278,20 +338,22 @@ class SampleSchema:
     """configs/sample.yaml (what sample.py receives)."""
     ckpt: str = key("checkpoint file or run directory")
     out: str = key("output .npz")
-    num_samples: Optional[int] = key("number of images (default: the number of seeds)")
+    num_samples: Optional[int] = key("number of images", rule=or_null(at_least(1), "one image per seed"), eg=500)
     seeds: Any = key("e.g. 0-49999, [0,5,7] or '0-9,20-29' (a list in brackets or quotes: Hydra refuses a bare "
                      "0,5,7); default: 0..num_samples-1")
-    batch_size: int = key("per process, >= 1")
-    class_labels: Optional[int] = key("null: a random class per seed; an integer: that class for all")
+    batch_size: int = key("images per batch, per process", rule=at_least(1), eg=64)
+    class_labels: Optional[int] = key("a class index for every image, below the model's num_classes",
+                                      rule=or_null(at_least(0), "a random class per seed"), eg=3)
     grid: Optional[str] = key("a PNG grid: one row per class (more than 10 classes: the first grid_images)")
-    grid_images: int = key("images in a plain grid (models with more than 10 classes), >= 1")
-    grid_per_class: int = key("samples per class row of the grid, >= 1")
+    grid_images: int = key("images in a plain grid (models with more than 10 classes)", rule=at_least(1), eg=64)
+    grid_per_class: int = key("samples per class row of the grid", rule=at_least(1), eg=8)
     vae: Optional[str] = key("SD-VAE folder or repo id for latents")
     progress: bool = key("progress bar on the main process")
     tf32: bool = key("TF32 on CUDA")
     sampler: SamplerSchema = key("the sampler", factory=SamplerSchema)
     cfg_scale: float = key("classifier-free guidance scale (1: unguided)")
-    guidance_interval: Optional[List[float]] = key("[sigma_lo, sigma_hi]: CFG only inside (null: everywhere)")
+    guidance_interval: Optional[List[float]] = key("CFG only inside this noise interval (null: everywhere)",
+                                                   rule=GUIDANCE_INTERVAL, eg="[0.3,5]")
     routing_guidance: RoutingGuidanceSchema = key("TREAD routing guidance", factory=RoutingGuidanceSchema)
     path_drop_guidance: PathDropGuidanceSchema = key("SPRINT path-drop guidance (sprint routes)",
                                                      factory=PathDropGuidanceSchema)

@@ -68,7 +68,7 @@ class TrainingEvaluator:
         self.num_samples = int(e.fid_num_samples)  # at least the scorer's feature dimension unless smoke (config_check)
         self.batch_size = int(e.batch_size)
         self.seeds = range(int(e.seed), int(e.seed) + self.num_samples)
-        # typed and checked by training.config_check; build_guided_net refuses guidance without class dropout
+        # typed and checked by training.config_check, guidance without class dropout included
         cfg_scales = [1.0 if scale is None else float(scale) for scale in e.get("cfg_scales", [None])]
         interval = e.get("guidance_interval")
         interval = None if interval is None else list(interval)
@@ -83,7 +83,7 @@ class TrainingEvaluator:
         self.sampler_kwargs = dict(e.sampler)
         self.all_metrics = bool(e.all_metrics)
         self.samples_dir = Path(run_dir) / "samples"
-        self.last_grid = None  # the newest grid's path, for the run's closing summary
+        self.last_grid, self.last_scores = None, {}  # the newest grid's path and scores, for the closing summary
         device = accelerator.device
         vae, vae_note = decoding_vae(cfg.dataset)  # the latents' own VAE (manifest.json) unless dataset.vae
         self.decoder = decoder_for(cfg.dataset, vae=vae, device=device, vae_option="dataset.vae=DIR")
@@ -132,6 +132,7 @@ class TrainingEvaluator:
                     self.last_grid = grid
         if self.accelerator.is_main_process:
             metrics["eval_seconds"] = time.time() - t0
+            self.last_scores = metrics
         self.accelerator.wait_for_everyone()
         return metrics
 

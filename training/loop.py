@@ -102,9 +102,31 @@ class StopSignal:
         self.signum = signum
 
 
+class Tally:
+    """The losses since the last log record, summed on the device (a step never waits for the host), and the
+    first step whose loss was not finite (-1 while there is none)."""
+
+    def __init__(self, device, repa: bool):
+        self.loss = torch.zeros((), device=device)
+        self.repa = torch.zeros((), device=device) if repa else None  # REPA's alignment term alone
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.steps, self.since = 0, time.time()
+
+    def add(self, step: int, loss: torch.Tensor):
+        self.loss += loss
+        self.bad_step = torch.where((self.bad_step < 0) & ~torch.isfinite(loss), step + 1, self.bad_step)
+        self.steps += 1
+
+    def restart(self):
+        self.loss.zero_()
+        if self.repa is not None:
+            self.repa.zero_()
+        self.steps, self.since = 0, time.time()
+
+
 @dataclasses.dataclass
 class Run:
-    """Everything the loop touches, built by `setup`."""
+    """What the loop's phases share, built by `setup`."""
     cfg: DictConfig
     accelerator: Accelerator
     run_dir: Path
@@ -116,20 +138,17 @@ class Run:
     projector: Optional[torch.nn.Module] = None  # REPA's (training/repa.py), trained, not in the EMA
     sampler: Optional[ResumableBatchSampler] = None
     data_iter: Any = None
-    step: int = 0
-    accum: int = 1                # micro-batches per optimizer step
-    repa_sum: Optional[torch.Tensor] = None      # REPA's alignment term summed since the last log record
+    step: int = 0                 # the step the run starts (resumes) at
+    tally: Optional[Tally] = None
     logger: Optional[MetricsLogger] = None
     evaluator: Optional[TrainingEvaluator] = None
-    eval_net: Optional[torch.nn.Module] = None
     started: float = dataclasses.field(default_factory=time.time)
-    last_scores: dict = dataclasses.field(default_factory=dict)  # of the newest evaluation, for the summary
-    # The log interval so far: loss summed on the device (no host sync per step), its steps and start time.
-    loss_sum: Optional[torch.Tensor] = None
-    bad_step: Optional[torch.Tensor] = None     # the first step with a non-finite loss, -1 while there is none
-    steps_since_log: int = 0
-    t_log: float = 0.0
     compiled_at_first_step: Optional[int] = None  # dynamo's compiled frames after this launch's first step
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches per optimizer step."""
+        return int(self.cfg.train.general.get("grad_accum_steps", 1))
 
     @property
     def trained_params(self) -> list:
@@ -159,7 +178,6 @@ def setup(cfg: DictConfig) -> Run:
     run.ema.to(device)
 
     # Load dataset: the batch sampler counts micro-batches and starts at the resumed step's first one.
-    run.accum = int(cfg.train.general.get("grad_accum_steps", 1))
     run.sampler, run.data_iter = load_data(cfg, accelerator, run.step * run.accum, run.accum)
 
     # Distribute.
@@ -169,10 +187,7 @@ def setup(cfg: DictConfig) -> Run:
     seed_random_streams(cfg, accelerator, state, run.step)
 
     # Log and evaluate.
-    run.loss_sum = torch.zeros((), device=device)
-    run.bad_step = torch.full((), -1, dtype=torch.long, device=device)
-    if run.projector is not None:
-        run.repa_sum = torch.zeros((), device=device)
+    run.tally = Tally(device, repa=run.projector is not None)
     if is_main:
         run.logger = open_run_log(run, resumed_from=source)
         if run.step >= cfg.train.max_steps:
@@ -180,7 +195,6 @@ def setup(cfg: DictConfig) -> Run:
                   f"over with resume=false or a new run_name")
     if cfg.train.eval.eval_interval and cfg.train.eval.eval_interval > 0:
         run.evaluator = TrainingEvaluator(cfg, accelerator, run_dir)
-        run.eval_net = build_denoiser(cfg.diffuser, run.ema)
     return run
 
 
@@ -284,8 +298,8 @@ def accumulate_gradients(run: Run, num_classes: int, drop_prob: float) -> torch.
             loss = run.loss_fn(run.net, x, y, **teacher).mean()
             accelerator.backward(loss / run.accum if run.accum > 1 else loss)
         total = total + loss.detach() / run.accum
-        if run.repa_sum is not None:  # REPA on: its alignment term, summed on the device until the next log
-            run.repa_sum += run.loss_fn.last / run.accum
+        if run.projector is not None:  # REPA on: its alignment term, summed on the device until the next log
+            run.tally.repa += run.loss_fn.last / run.accum
     return total
 
 
@@ -302,17 +316,15 @@ def update_weights(run: Run, step: int, model_params: list, ema_params: list):
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     update_ema(ema_params, model_params, t.ema.decay)
-    run.loss_sum += loss
-    run.bad_step = torch.where((run.bad_step < 0) & ~torch.isfinite(loss), step + 1, run.bad_step)
-    run.steps_since_log += 1
+    run.tally.add(step, loss)
 
 
 def log_interval(run: Run, step: int, stop: StopSignal, bar: Progress) -> tuple:
     """The only host sync of a step, every log_interval steps: the loss (and REPA's term) averaged over the
     interval and all processes, logged by the main process. Returns (the mean loss is finite, a stop signal
     reached any process)."""
-    accelerator, t, world = run.accelerator, run.cfg.train, run.accelerator.num_processes
-    mean_loss = (accelerator.reduce(run.loss_sum, "mean") / run.steps_since_log).item()
+    accelerator, t, world, tally = run.accelerator, run.cfg.train, run.accelerator.num_processes, run.tally
+    mean_loss = (accelerator.reduce(tally.loss, "mean") / tally.steps).item()
     stop_now = stop.signum is not None
     if world > 1:
         flag = torch.tensor(float(stop_now), device=accelerator.device)
@@ -320,19 +332,17 @@ def log_interval(run: Run, step: int, stop: StopSignal, bar: Progress) -> tuple:
     if not math.isfinite(mean_loss):
         return False, stop_now
     repa = {}
-    if run.repa_sum is not None:  # the alignment term alone (mean -cos); `loss` includes it, weighted
-        repa = {"repa_loss": (accelerator.reduce(run.repa_sum, "mean") / run.steps_since_log).item()}
-        run.repa_sum.zero_()
+    if tally.repa is not None:  # the alignment term alone (mean -cos); `loss` includes it, weighted
+        repa = {"repa_loss": (accelerator.reduce(tally.repa, "mean") / tally.steps).item()}
     if run.logger is not None:
-        steps_per_sec = run.steps_since_log / (time.time() - run.t_log)
+        steps_per_sec = tally.steps / (time.time() - tally.since)
         run.logger.log(step, {"loss": mean_loss, **repa, "steps_per_sec": steps_per_sec,
                               "images_per_sec": steps_per_sec * t.general.batch_size,
                               "epoch": step * run.accum / run.sampler.steps_per_epoch,
                               "lr": learning_rate(t.optimizer, step - 1), "world_size": world,
                               **compile_stats(run)})
         bar.interval(step, mean_loss, steps_per_sec)
-    run.loss_sum.zero_()
-    run.steps_since_log, run.t_log = 0, time.time()
+    tally.restart()
     return True, stop_now
 
 
@@ -346,10 +356,9 @@ def compile_stats(run: Run) -> dict:
 
 
 def evaluate(run: Run, step: int):
-    scores = run.evaluator(run.eval_net, step)
+    scores = run.evaluator(build_denoiser(run.cfg.diffuser, run.ema), step)
     if run.logger is not None:
         run.logger.log(step, scores)
-        run.last_scores = scores
         Progress.write(f"step {step}: {format_metrics(scores)}")
 
 
@@ -364,7 +373,8 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
     accelerator, t = run.accelerator, cfg.train
     model_params, ema_params = list(run.model.parameters()), list(run.ema.parameters())
     stop = StopSignal()
-    step, run.steps_since_log, run.t_log = run.step, 0, time.time()
+    step = run.step
+    run.tally.restart()
     bar = Progress(t.max_steps, step, accelerator.is_main_process)
     off_after = t.get("routing_off_after")  # announced in the log when reached
     try:
@@ -389,7 +399,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
 
             # Save snapshot (never one with a non-finite loss in it).
             if step % t.ckpt_every == 0 or step == t.max_steps or stop_now:
-                if int(accelerator.reduce(run.bad_step, "max").item()) >= 0:
+                if int(accelerator.reduce(run.tally.bad_step, "max").item()) >= 0:
                     break
                 save_snapshot(run, step)
                 heartbeat()
@@ -399,7 +409,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
                     and not stop_now:
                 t_eval = time.time()
                 evaluate(run, step)
-                run.t_log += time.time() - t_eval
+                run.tally.since += time.time() - t_eval
                 heartbeat()
             if stop_now:
                 bar.close()
@@ -413,7 +423,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
 def finish(run: Run, end_training: bool, step: int):
     if run.logger is not None:
         run.logger.close()
-    bad = int(run.accelerator.reduce(run.bad_step, "max").item())
+    bad = int(run.accelerator.reduce(run.tally.bad_step, "max").item())
     if bad >= 0:
         last = ckpt.list_checkpoints(run.ckpt_dir)
         kept = f"the last good checkpoint is {last[-1][1]}" if last else "no checkpoint was written"

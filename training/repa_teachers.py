@@ -95,8 +95,6 @@ TEACHERS = {"dinov2_vitb14": DinoV2Teacher, "digits_classifier": DigitsTeacher}
 
 def build_teacher(name: str, weights=None, load: bool = True) -> nn.Module:
     """A frozen teacher in eval mode (its forward never builds a graph: REPA's teacher is not trained)."""
-    if name not in TEACHERS:
-        raise UserError(f"unknown repa.encoder={name!r}; choose one of {', '.join(TEACHERS)}")
     return TEACHERS[name](weights, load).requires_grad_(False).eval()
 
 

@@ -117,7 +117,8 @@ def open_run_log(run, resumed_from) -> MetricsLogger:
 
 def summary_line(run, step: int) -> str:
     """The run in one line: the newest evaluation's headline numbers, the wall clock, the grid."""
-    shown = {k: v for k, v in run.last_scores.items() if k in ("fid", "class_acc", "nn_ratio")}
+    last = run.evaluator.last_scores if run.evaluator is not None else {}
+    shown = {k: v for k, v in last.items() if k in ("fid", "class_acc", "nn_ratio")}
     grid = run.evaluator.last_grid if run.evaluator is not None else None
     return (f"done: step {step} in {format_duration(time.time() - run.started)}"
             + (f"; {format_metrics(shown)}" if shown else "; no evaluation this session")

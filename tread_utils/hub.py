@@ -118,26 +118,32 @@ def read_config(path) -> dict:
     return config
 
 
-def read_weights(path) -> dict:
-    """The tensors of a .safetensors file (on the CPU); a corrupt file is one line."""
+@contextlib.contextmanager
+def reading_safetensors(path):
+    """A corrupt or truncated .safetensors file as one line."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     try:
-        return load_file(str(path), device="cpu")
+        yield
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{path} cannot be read as safetensors ({str(e).splitlines()[0][:160]})") from None
+
+
+def read_weights(path) -> dict:
+    """The tensors of a .safetensors file (on the CPU)."""
+    from safetensors.torch import load_file
+
+    with reading_safetensors(path):
+        return load_file(str(path), device="cpu")
 
 
 def weight_shapes(path) -> dict:
     """{name: shape} from a .safetensors file's header alone (a truncated file is refused all the same)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
-    try:
+    with reading_safetensors(path):
         with safe_open(str(path), "pt") as f:
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{path} cannot be read as safetensors ({str(e).splitlines()[0][:160]})") from None
 
 
 def check_matches(own: dict, tensors: dict, source) -> None:
