@@ -13,10 +13,12 @@ Light on purpose (dataclasses, omegaconf and Hydra's ConfigStore): a bad config 
 is imported.
 """
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from route_spec import Route
 
 
 def key(doc: str, default=MISSING, factory=None):
@@ -42,40 +44,12 @@ REPA_ENCODERS = ("dinov2_vitb14", "digits_classifier")  # training.repa_teachers
 
 
 @dataclass
-class RouteScheduleSchema:
-    kind: str = key("constant (selection_ratio throughout), linear or cosine", "constant")
-    start_ratio: Optional[float] = key("the ratio up to start_step, in [0, 1) (null: selection_ratio)", None)
-    end_ratio: Optional[float] = key("the ratio from end_step on, in [0, 1) (linear, cosine: required)", None)
-    start_step: int = key("the ratio starts moving after this training step, >= 0", 0)
-    end_step: Optional[int] = key("... and reaches end_ratio here, > start_step (linear, cosine: required)", None)
-    levels: Optional[int] = key("round the ratio to this many values from start to end, >= 2 (null: none)", None)
-
-
-@dataclass
-class RouteSchema:
-    start_layer_idx: int = key("first routed block (negative: counted from the last block)")
-    end_layer_idx: int = key("last routed block, inclusive (negative: counted from the last block)")
-    selection_ratio: float = key("fraction of tokens that skip the route, in [0, 1)")
-    selection: str = key("the selection rule, a name in routing_module.SELECTIONS: random (the paper's), "
-                         "importance (by L1 norm), ...", "random")
-    options: Dict[str, Any] = key("the selection rule's keyword options, e.g. importance_mix", factory=dict)
-    importance_mix: Optional[float] = key("importance: options.importance_mix, also accepted here", None)
-    schedule: RouteScheduleSchema = key("the ratio as a function of the training step",
-                                        factory=RouteScheduleSchema)
-    fusion: str = key("none (TREAD: skipped tokens rejoin unchanged) or sprint (SPRINT's sparse deep path)", "none")
-    path_drop_prob: float = key("sprint: training samples whose deep output is all mask tokens, in [0, 1)", 0.1)
-    mask_token_trainable: bool = key("sprint: train the mask token (SPRINT: frozen)", False)
-    mask_token_init: str = key("sprint: mask token init, normal (std 0.02, SPRINT's) or zeros", "normal")
-    fusion_init: str = key("sprint: 2C -> C projection init, xavier (SPRINT's) or deep ([I | 0])", "xavier")
-
-
-@dataclass
 class ModelParamsSchema:
     num_classes: int = key("number of classes (the null class is added)")
     in_channels: int = key("latent channels")
     input_size: int = key("latent height = width")
     enable_routing: bool = key("routing during training")
-    routes: List[RouteSchema] = key("routes, in order, without overlap")
+    routes: List[Route] = key("routes, in order, without overlap")
     depth: Optional[int] = key("override the backbone's number of blocks (null: the registry's)", None)
     hidden_size: Optional[int] = key("override the backbone's width", None)
     num_heads: Optional[int] = key("override the backbone's attention heads", None)
