@@ -123,14 +123,13 @@ def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
 
 
 def as_routes(routes: Optional[Sequence], depth: int) -> list:
-    """Routes already resolved (`Route`s, e.g. a model's `router.routes`) as they are; a config's mappings
-    resolved (`resolve_routes`). Resolving happens once, where a launch reads the config; the model, the FLOP
+    """Routes already placed in the model (`Route`s, e.g. a model's `router.routes`) as they are; a config's
+    mappings, or `Route`s with negative indices, resolved (`resolve_routes`). Resolving happens once, where a launch reads the config; the model, the FLOP
     report and the exports then pass the objects along."""
     routes = list(routes or [])
-    if all(isinstance(r, Route) for r in routes):
-        assert all(r.end_layer_idx < depth for r in routes), f"routes {routes} do not fit {depth} blocks"
+    if all(isinstance(r, Route) and 0 <= r.start_layer_idx <= r.end_layer_idx < depth for r in routes):
         return routes
-    return resolve_routes(routes, depth)
+    return resolve_routes(routes, depth)  # mappings, or Routes built with negative indices
 
 
 def num_kept(num_tokens: int, ratio: float) -> int:

@@ -263,3 +263,12 @@ def test_a_route_value_is_never_converted_into_another(spec, message):
     with pytest.raises(RouteError, match=message):
         resolve_routes([spec], 12)
     assert resolve_routes([dict(start_layer_idx=2, end_layer_idx=4.0, selection_ratio=0)], 12)[0].end_layer_idx == 4
+
+
+def test_a_route_built_in_python_with_negative_indices_is_placed_by_the_model():
+    from route_spec import Route
+
+    model = small_model([Route(1, -3, 0.5)])
+    assert model.router.routes[0].end_layer_idx == 3
+    with pytest.raises(RouteError, match="outside a model of depth 6"):
+        small_model([Route(1, 7, 0.5)])
