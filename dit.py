@@ -24,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 from backbones import modulate
 from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
-from routing_module import TokenRouter, as_routes, is_number
+import routing_module
+from routing_module import TokenRouter, as_routes, autocast_on, is_number
 from tread_utils.errors import UserError
 from tread_utils.hub import (CONFIG_NAME, WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_config,
                              read_weights, refuse_missing_folder)
@@ -184,7 +185,13 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         x = x.reshape(x.shape[0], h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, h * p, w * p)
 
-    def _run_block(self, block, x, c):
+    def run_block(self, block, x, c, fp32: bool = False):
+        """One block, recomputed in the backward pass under grad_checkpointing. `fp32`: it follows a route that
+        dropped tokens, and with fp32_after_route runs outside autocast, as the official code does (it sees tokens
+        from two depths at once)."""
+        if fp32 and self.router.fp32_after_route and autocast_on(x.device.type):
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                return self.run_block(block, x.float(), c.float())
         if self.grad_checkpointing and torch.is_grad_enabled():
             return checkpoint(block, x, c, use_reentrant=False)
         return block(x, c)
@@ -193,16 +200,40 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
                 drop_deep_path=False, repa_tap=None):
         """x [B, C, H, W], t [B] noise level, y [B] labels (None or `num_classes` = unconditional).
 
-        force_keep: optional [B, N] bool mask of tokens (patch grid, row-major) that are never routed.
-        drop_deep_path: SPRINT routes skip their blocks, mask tokens instead (path-drop guidance's weak branch).
-        repa_tap: a training.repa.Tap that receives one block's hidden tokens (REPA's alignment)."""
+        force_routing_ratio: every route runs at this ratio, in eval mode too (routing guidance); routing_seed: the
+        kept tokens drawn from this seed. force_keep: optional [B, N] bool mask of tokens (patch grid, row-major)
+        that are never routed. drop_deep_path: SPRINT routes skip their blocks, mask tokens instead (path-drop
+        guidance's weak branch). repa_tap: a training.repa.Tap, called with one block's output tokens and, inside
+        a route, their positions (REPA's alignment)."""
         if y is None:
             y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
         x = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y)
-        x = self.router(self.blocks, x, c, force_ratio=force_routing_ratio, seed=routing_seed,
-                        run_block=self._run_block, force_keep=force_keep, fusions=self.fusions,
-                        drop_deep_path=drop_deep_path, tap=repa_tap)
+        starts = self.router.plan(force_routing_ratio, fused=self.fusions)  # start block -> (k, route, ratio)
+        generator = None
+        if routing_seed is not None and starts:
+            generator = torch.Generator(device=x.device).manual_seed(int(routing_seed))
+        end = keep_idx = fusion = fp32_block = None
+        for i, block in enumerate(self.blocks):
+            if i in starts:  # select the tokens that take the route (all of them at ratio 0: a fusion route)
+                k, route, ratio = starts[i]
+                end, x_route, fusion = route.end_layer_idx, x, self.fusions[str(k)] if str(k) in self.fusions else None
+                if ratio > 0:
+                    keep_idx = routing_module.select_kept_tokens(x, ratio, generator, route.selection, force_keep,
+                                                                 **route.options)
+                    x = routing_module.start_route(x, keep_idx)
+            dropped = end is not None and drop_deep_path and fusion is not None  # the deep path is not run
+            if not dropped:
+                x = self.run_block(block, x, c, fp32=i == fp32_block)
+                if repa_tap is not None and i == repa_tap.block:
+                    repa_tap(x, keep_idx)
+            if i == end:  # restore the full sequence: the skipped tokens rejoin (TREAD), or SPRINT's fusion
+                if fusion is None:
+                    x = routing_module.end_route(x, x_route, keep_idx)
+                else:
+                    x = fusion(None, x_route, keep_idx, drop_all=True) if dropped else fusion(x, x_route, keep_idx)
+                fp32_block = None if keep_idx is None else i + 1
+                end = keep_idx = fusion = None
         return self.unpatchify(self.final_layer(x, c))
 
     @classmethod
@@ -245,7 +276,7 @@ def _registry():
 # "DiT-D/*" (12 blocks, 64 wide, 4 heads) is the embedded digits preset's model, sized so the demo draws digits
 # within minutes on 2 CPU cores; "DiT-T/*" (128 wide) is the tiny model of tests and benchmarks.
 # "DiS-*": the same embedders and adaLN-Zero conditioning with state-space blocks instead of attention
-# (backbones/ssm.py), a backbone that is not a transformer, routed by the same TokenRouter.
+# (backbones/ssm.py), a backbone that is not a transformer, routed by the same block loop.
 DiT_models = _registry()
 
 MODEL_PARAM_KEYS = {"num_classes", "in_channels", "input_size", "enable_routing", "routes", "depth", "hidden_size",

@@ -1,4 +1,8 @@
-"""TREAD token routing (Krause et al., ICCV 2025).
+"""TREAD token routing (Krause et al., ICCV 2025): the selection rules, the primitives a model's block loop
+routes with (`select_kept_tokens` before a route's first block, `start_route`, `end_route` after its last;
+dit.DiT.forward, and the diffusers hooks of backbones/diffusers_tread.py) and `TokenRouter`, which says which
+routes a forward pass runs and at what ratio. A route itself (`Route`, its `Schedule`) is declared in
+route_spec.py, torch-free, and re-exported here.
 
 A route `start -> end` takes a random subset of tokens out of the sequence before block `start` and
 puts them back, unchanged, after block `end` (inclusive). Only the kept tokens pass through the
@@ -25,9 +29,9 @@ resumed run routes as an uninterrupted one; `off_after=S` turns every route off 
 count changes with the ratio, and torch.compile recompiles the model for each distinct count (dynamo
 keeps 8 by default): a smooth schedule over many steps wants `levels` of a few values.
 
-Fusion per route: `none` (TREAD, above) or `sprint` (backbones/sprint.py): the skipped positions come back
-as a mask token, and the route's output is a projection of [deep output, route input]; the model owns
-those parameters and passes them in (`fusions`), so the router itself still holds none.
+Fusion per route, how it restores the sequence: `none` (TREAD: `end_route`) or `sprint` (backbones/sprint.py):
+the skipped positions come back as a mask token, and the route's output is a projection of [deep output, route
+input]; the model owns those parameters (`DiT.fusions`), so the router holds none.
 
 `force_keep` ([B, N] bool, a forward keyword) marks tokens that are never skipped. The kept count
 must be the same for every sample of a batch, so it is `max(N - int(N * ratio), most forced tokens
@@ -35,19 +39,13 @@ in any sample)`: a sample with many forced tokens raises the kept count of the w
 samples with fewer fill the rest by their selection rule.
 """
 import inspect
-import math
-from dataclasses import dataclass, fields
+from dataclasses import replace
 from typing import Annotated, Optional, Sequence, get_args, get_origin
 
 import torch
 import torch.nn as nn
 
-from tread_utils.errors import UserError
-
-SCHEDULE_KINDS = ("constant", "linear", "cosine")
-FUSIONS = ("none", "sprint")                  # how a route ends: end_route, or SPRINT's (backbones/sprint.py)
-MASK_TOKEN_INITS = ("normal", "zeros")
-FUSION_INITS = ("xavier", "deep")
+from route_spec import Route, RouteError, Schedule, is_number, place_routes  # noqa: F401  (the spec, re-exported)
 
 
 # ---- selection rules: fn(x [B, N, D], generator or None, **options) -> scores [B, N]; the highest are kept ----
@@ -94,15 +92,8 @@ def selection_options(rule: str) -> dict:
     return options
 
 
-def is_number(value, integer: bool = False) -> bool:
-    """An int or float (never a bool), integral when `integer`: a config value taken as it is, never converted
-    (2.5 is not a block, false is not a ratio)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and (not integer or float(value).is_integer())
-
-
-def check_selection(rule, options, name: str) -> tuple:
-    """The route's rule and options, checked against the rule's signature: ((key, value), ...) sorted."""
+def check_selection(rule, options, name: str) -> dict:
+    """The route's rule and options, checked against the rule's signature: {key: value} in key order."""
     if rule not in SELECTIONS:
         raise RouteError(f"{name}: selection must be one of {', '.join(SELECTIONS)}, got {rule!r}")
     accepted, checked = selection_options(rule), {}
@@ -117,166 +108,28 @@ def check_selection(rule, options, name: str) -> tuple:
         if bounds and not bounds[0] <= value <= bounds[1]:
             raise RouteError(f"{name}: {key} must be in [{bounds[0]}, {bounds[1]}], got {value}")
         checked[key] = kind(value)
-    return tuple(sorted(checked.items()))
-
-
-@dataclass(frozen=True)
-class Schedule:
-    kind: str = "constant"
-    start_ratio: float = 0.0
-    end_ratio: float = 0.0
-    start_step: int = 0
-    end_step: int = 0
-    levels: Optional[int] = None
-
-    def ratio_at(self, step: int) -> float:
-        """The ratio at a training step (not for kind constant: the route's selection_ratio is)."""
-        t = min(max((step - self.start_step) / (self.end_step - self.start_step), 0.0), 1.0)
-        if self.kind == "cosine":
-            t = 0.5 * (1.0 - math.cos(math.pi * t))
-        if self.levels:
-            t = round(t * (self.levels - 1)) / (self.levels - 1)
-        return self.start_ratio + (self.end_ratio - self.start_ratio) * t
-
-
-@dataclass(frozen=True)
-class Route:
-    start_layer_idx: int
-    end_layer_idx: int
-    selection_ratio: float
-    selection: str = "random"
-    options: tuple = ()                       # the selection rule's keyword options, ((key, value), ...)
-    schedule: Schedule = Schedule()
-    fusion: str = "none"
-    path_drop_prob: float = 0.1
-    mask_token_trainable: bool = False
-    mask_token_init: str = "normal"
-    fusion_init: str = "xavier"
-
-    def ratio_at(self, step: Optional[int]) -> float:
-        """The ratio in training at `step` (None: not told, the schedule's start)."""
-        if self.schedule.kind == "constant":
-            return self.selection_ratio
-        return self.schedule.ratio_at(self.schedule.start_step if step is None else step)
-
-
-DEFAULT_ROUTE = Route(0, 0, 0.0)  # its optional keys' defaults (tests/test_config_schema.py: the schema's are these)
-
-
-class RouteError(UserError):
-    """An invalid route configuration."""
-
-
-LEGACY_OPTIONS = ("importance_mix",)  # a selection option also accepted as a key of the route itself
-ROUTE_KEYS = tuple(f.name for f in fields(Route)) + LEGACY_OPTIONS
-SCHEDULE_KEYS = tuple(f.name for f in fields(Schedule))
-
-
-def resolve_schedule(spec, ratio: float, name: str) -> Schedule:
-    """A route's `schedule` mapping (None: constant) as a checked `Schedule`."""
-    spec = dict(spec or {})
-    unknown = sorted(set(spec) - set(SCHEDULE_KEYS))
-    if unknown:
-        raise RouteError(f"{name}: unknown schedule key(s) {unknown}; accepted: {', '.join(SCHEDULE_KEYS)}")
-    kind = str(spec.get("kind") or DEFAULT_ROUTE.schedule.kind)
-    if kind not in SCHEDULE_KINDS:
-        raise RouteError(f"{name}: schedule.kind must be one of {', '.join(SCHEDULE_KINDS)}, got {kind!r}")
-    if kind == "constant":
-        return Schedule()
-    try:
-        start_ratio = float(ratio if spec.get("start_ratio") is None else spec["start_ratio"])
-        end_ratio, end_step = float(spec["end_ratio"]), int(spec["end_step"])
-        start_step = int(spec.get("start_step") or 0)
-        levels = None if spec.get("levels") is None else int(spec["levels"])
-    except (KeyError, TypeError, ValueError):
-        raise RouteError(f"{name}: a {kind} schedule needs a float end_ratio and an integer end_step (and "
-                         f"optionally start_ratio, start_step, levels), got {spec}") from None
-    for which, r in (("start_ratio", start_ratio), ("end_ratio", end_ratio)):
-        if not 0.0 <= r < 1.0:
-            raise RouteError(f"{name}: schedule.{which} must be in [0, 1), got {r}")
-    if not 0 <= start_step < end_step:
-        raise RouteError(f"{name}: the schedule needs 0 <= start_step < end_step, got {start_step} and {end_step}")
-    if levels is not None and levels < 2:
-        raise RouteError(f"{name}: schedule.levels must be at least 2 (or null: no rounding), got {levels}")
-    return Schedule(kind, start_ratio, end_ratio, start_step, end_step, levels)
-
-
-def resolve_fusion(r, name: str) -> dict:
-    """A route's fusion options (backbones/sprint.py), checked; a key left out or null takes `Route`'s default."""
-    out = {key: DEFAULT_ROUTE.__dict__[key] if r.get(key) is None else r[key]
-           for key in ("fusion", "path_drop_prob", "mask_token_trainable", "mask_token_init", "fusion_init")}
-    for key, allowed in (("fusion", FUSIONS), ("mask_token_init", MASK_TOKEN_INITS), ("fusion_init", FUSION_INITS)):
-        if out[key] not in allowed:
-            raise RouteError(f"{name}: {key} must be one of {', '.join(allowed)}, got {out[key]!r}")
-    if not isinstance(out["path_drop_prob"], (int, float)) or not 0.0 <= out["path_drop_prob"] < 1.0:
-        raise RouteError(f"{name}: path_drop_prob must be in [0, 1) (the fraction of training samples whose deep "
-                         f"path is replaced by mask tokens), got {out['path_drop_prob']!r}")
-    if not isinstance(out["mask_token_trainable"], bool):
-        raise RouteError(f"{name}: mask_token_trainable must be true or false, got {out['mask_token_trainable']!r}")
-    out["path_drop_prob"] = float(out["path_drop_prob"])
-    return out
+    return dict(sorted(checked.items()))
 
 
 def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
-    """Validate routes from the config and return them as `Route`s with non-negative indices.
-
-    Negative indices count from the last block (-1 = block depth-1). Routes must lie inside the
-    model, start <= end, ratio in [0, 1), and be ordered without overlap.
-    """
-    resolved = []
-    for i, r in enumerate(routes or []):
-        unknown = sorted(set(r) - set(ROUTE_KEYS)) if hasattr(r, "keys") else []
-        if unknown:  # a misspelt option would otherwise fall back to its default unseen
-            raise RouteError(f"route {i}: unknown key(s) {unknown}; accepted: {', '.join(ROUTE_KEYS)}")
-        if not hasattr(r, "keys"):
-            raise RouteError(f"route {i} ({r!r}) needs integer start_layer_idx, end_layer_idx and a float "
-                             f"selection_ratio")
-        missing = [k for k in ("start_layer_idx", "end_layer_idx", "selection_ratio") if r.get(k) is None]
-        if missing:
-            raise RouteError(f"route {i} needs integer start_layer_idx, end_layer_idx and a float selection_ratio; "
-                             f"it has no {' or '.join(missing)}")
-        start, end, ratio = r["start_layer_idx"], r["end_layer_idx"], r["selection_ratio"]
-        for which, value, integer in (("start_layer_idx", start, True), ("end_layer_idx", end, True),
-                                      ("selection_ratio", ratio, False)):
-            if not is_number(value, integer):
-                raise RouteError(f"route {i}: {which} must be {'an integer' if integer else 'a number'}, "
-                                 f"got {value!r}")
-        start, end, ratio = int(start), int(end), float(ratio)
-        name = f"route {i} ({start} -> {end}, ratio {ratio})"
-        for which, idx in (("start_layer_idx", start), ("end_layer_idx", end)):
-            if not -depth <= idx < depth:
-                raise RouteError(f"{name}: {which}={idx} is outside a model of depth {depth} "
-                                 f"(valid: 0..{depth - 1}, or -{depth}..-1 counting from the last block)")
-        start, end = start % depth, end % depth
-        if start > end:
-            raise RouteError(f"{name}: start block {start} comes after end block {end} (depth {depth}); "
-                             f"a route runs forward from start_layer_idx to end_layer_idx")
-        if not 0.0 <= ratio < 1.0:
-            raise RouteError(f"{name}: selection_ratio must be in [0, 1) (the fraction of tokens that skip), "
-                             f"got {ratio}")
-        selection = str(DEFAULT_ROUTE.selection if r.get("selection") is None else r["selection"])
-        options = dict(r.get("options") or {})
-        options.update({k: r[k] for k in LEGACY_OPTIONS if r.get(k) is not None})
-        options = check_selection(selection, options, name)
-        if resolved and start <= resolved[-1].end_layer_idx:
-            prev = resolved[-1]
-            raise RouteError(f"{name}: overlaps or comes before route {i - 1} ({prev.start_layer_idx} -> "
-                             f"{prev.end_layer_idx}) in a model of depth {depth}; list routes in order, "
-                             f"each starting after the previous one ends")
-        schedule = resolve_schedule(r.get("schedule"), ratio, name)
-        resolved.append(Route(start, end, ratio, selection, options, schedule, **resolve_fusion(r, name)))
-    return resolved
+    """Routes from the config (or `Route`s) placed in a model of `depth` blocks (route_spec.place_routes: negative
+    indices as block numbers, in order, without overlap), each with its selection rule and options checked against
+    the rule's signature."""
+    placed = place_routes(routes, depth)
+    for i, route in enumerate(placed):
+        name = f"route {i} ({route.start_layer_idx} -> {route.end_layer_idx}, ratio {route.selection_ratio})"
+        placed[i] = replace(route, options=check_selection(route.selection, route.options, name))
+    return placed
 
 
 def as_routes(routes: Optional[Sequence], depth: int) -> list:
-    """Routes already resolved (`Route`s, e.g. a model's `router.routes`) as they are; a config's mappings
-    resolved (`resolve_routes`). Resolving happens once, where a launch reads the config; the model, the FLOP
+    """Routes already placed in the model (`Route`s, e.g. a model's `router.routes`) as they are; a config's
+    mappings, or `Route`s with negative indices, resolved (`resolve_routes`). Resolving happens once, where a launch reads the config; the model, the FLOP
     report and the exports then pass the objects along."""
     routes = list(routes or [])
-    if all(isinstance(r, Route) for r in routes):
-        assert all(r.end_layer_idx < depth for r in routes), f"routes {routes} do not fit {depth} blocks"
+    if all(isinstance(r, Route) and 0 <= r.start_layer_idx <= r.end_layer_idx < depth for r in routes):
         return routes
-    return resolve_routes(routes, depth)
+    return resolve_routes(routes, depth)  # mappings, or Routes built with negative indices
 
 
 def num_kept(num_tokens: int, ratio: float) -> int:
@@ -311,22 +164,17 @@ def end_route(x_kept: torch.Tensor, x_full: torch.Tensor, keep_idx: torch.Tensor
     return x_full.to(x_kept.dtype).scatter(1, _expand(keep_idx, x_full.shape[-1]), x_kept)
 
 
-def _call_block(block, x, c):
-    return block(x, c)
-
-
-def _autocast_on(device_type: str) -> bool:
+def autocast_on(device_type: str) -> bool:
     return device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type)
 
 
 class TokenRouter(nn.Module):
-    """Runs a stack of blocks `block(x, c) -> x` over tokens [B, N, D] with TREAD routes.
+    """Which routes a forward pass runs, and at what ratio; the model's block loop does the routing itself with
+    `select_kept_tokens`, `start_route` and `end_route` (dit.DiT.forward).
 
-    Architecture-agnostic: any block that maps a token sequence to one of the same length works,
-    whatever N is; the router holds no parameters and does not own the blocks, so a backbone's
-    state dict is the same with and without routing. It follows the model's train()/eval() mode.
-    `fp32_after_route` runs the block right after a route ends outside autocast, as the official
-    code does, since it sees tokens from two depths at once.
+    It holds no parameters and no blocks, so a backbone's state dict is the same with and without routing, and it
+    follows the model's train()/eval() mode. `fp32_after_route`: the block right after a route that dropped
+    tokens runs outside autocast, as the official code does, since it sees tokens from two depths at once.
     """
 
     def __init__(self, routes: Sequence[Route], enable_routing: bool = True, fp32_after_route: bool = True):
@@ -359,59 +207,9 @@ class TokenRouter(nn.Module):
         on = self.training and self.enable_routing
         return [ratio if on else 0.0 for ratio in self._step_ratios]
 
-    def _plan(self, force_ratio: Optional[float], fusions) -> list:
-        """(route, ratio, fusion or None) for each route this call runs: ratio > 0, or a fusion, which ends its
-        route even when no token is dropped."""
-        plan = []
-        for k, (route, ratio) in enumerate(zip(self.routes, self.active_ratios(force_ratio))):
-            fusion = fusions[str(k)] if fusions is not None and str(k) in fusions else None
-            if ratio > 0 or fusion is not None:
-                plan.append((route, ratio, fusion))
-        return plan
-
-    def forward(self, blocks: Sequence[nn.Module], x, c, force_ratio: Optional[float] = None,
-                seed: Optional[int] = None, run_block=None, force_keep: Optional[torch.Tensor] = None,
-                fusions: Optional[nn.ModuleDict] = None, drop_deep_path: bool = False, tap=None):
-        """Each route: select the kept tokens, run the route's blocks on them, restore the full sequence.
-
-        `run_block(block, x, c)` lets the caller wrap each call (e.g. activation checkpointing).
-        `fusions`: route index (str) -> the module that restores that route instead of `end_route`, called as
-        `fusion(x_deep, x_route_input, keep_idx)` (SPRINT's, backbones/sprint.py); `drop_deep_path` skips the
-        blocks of those routes and calls `fusion(None, x_route_input, keep_idx, drop_all=True)`.
-        `tap`: an object with a `block` index, called as `tap(hidden, keep_idx)` after that block (REPA's,
-        training/repa.py); inside a route `hidden` holds the kept tokens only and keep_idx their positions."""
-        if run_block is None:
-            run_block = _call_block
-        plan = self._plan(force_ratio, fusions)
-        generator = None
-        if seed is not None and plan:
-            generator = torch.Generator(device=x.device).manual_seed(int(seed))
-        done, fp32_block = 0, None
-        for route, ratio, fusion in plan:
-            first, last = route.start_layer_idx, route.end_layer_idx
-            x = self._run_blocks(blocks, done, first, x, c, run_block, tap, None, fp32_block)
-            x_route, keep_idx = x, None
-            if ratio > 0:  # select
-                keep_idx = select_kept_tokens(x, ratio, generator, route.selection, force_keep, **dict(route.options))
-                x = start_route(x, keep_idx)
-            if drop_deep_path and fusion is not None:  # path-drop guidance's weak branch: mask tokens only
-                x = fusion(None, x_route, keep_idx, drop_all=True)
-            else:  # run, restore
-                x = self._run_blocks(blocks, first, last + 1, x, c, run_block, tap, keep_idx, fp32_block)
-                x = end_route(x, x_route, keep_idx) if fusion is None else fusion(x, x_route, keep_idx)
-            done = last + 1
-            fp32_block = done if keep_idx is not None else None
-        return self._run_blocks(blocks, done, len(blocks), x, c, run_block, tap, None, fp32_block)
-
-    def _run_blocks(self, blocks, first: int, stop: int, x, c, run_block, tap, keep_idx, fp32_block):
-        """Blocks first..stop-1. Block `fp32_block` follows a route that dropped tokens: with fp32_after_route it
-        runs outside autocast, as the official code does, since it sees tokens from two depths at once."""
-        for i in range(first, stop):
-            if i == fp32_block and self.fp32_after_route and _autocast_on(x.device.type):
-                with torch.autocast(device_type=x.device.type, enabled=False):
-                    x = run_block(blocks[i], x.float(), c.float())
-            else:
-                x = run_block(blocks[i], x, c)
-            if tap is not None and i == tap.block:
-                tap(x, keep_idx)
-        return x
+    def plan(self, force_ratio: Optional[float], fused=()) -> dict:
+        """This call's routes by their start block: start -> (route index, route, ratio). A route runs when it
+        drops tokens (ratio > 0) or when its index is in `fused` (it ends in a fusion, run even at ratio 0)."""
+        return {route.start_layer_idx: (k, route, ratio)
+                for k, (route, ratio) in enumerate(zip(self.routes, self.active_ratios(force_ratio)))
+                if ratio > 0 or str(k) in fused}

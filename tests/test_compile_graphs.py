@@ -1,4 +1,4 @@
-"""The compiled routed model is one graph: dynamo traces the router's Python (routes, SPRINT's fusion, REPA's
+"""The compiled routed model is one graph: dynamo traces the block loop's Python (routes, SPRINT's fusion, REPA's
 tap, activation checkpointing) without a break. `scripts/compile_check.sh VERSION` runs this file under
 another torch; `graph_counts` is what it prints."""
 import pytest
@@ -43,7 +43,7 @@ def test_routed_model_traces_into_one_graph_without_breaks():
 
 
 class Untestable:
-    """A callable whose truth value is an error: dynamo (torch 2.11) breaks the graph where the router asks it."""
+    """A callable whose truth value is an error: dynamo (torch 2.11) breaks the graph where the block loop asks it."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -55,16 +55,13 @@ class Untestable:
         raise TypeError("truth-tested")
 
 
-def test_router_never_truth_tests_its_callables():
+def test_the_block_loop_never_truth_tests_the_tap():
     model = tiny().train()
     calls = []
     tap = Untestable(lambda hidden, keep_idx: calls.append((hidden.shape, keep_idx is not None)))
     tap.block = 2
-    run_block = Untestable(lambda block, x, c: block(x, c))
-    x = model.x_embedder(torch.randn(4, 1, 16, 16)) + model.pos_embed
-    c = model.t_embedder(torch.rand(4)) + model.y_embedder(torch.randint(0, 10, (4,)))
-    out = model.router(model.blocks, x, c, run_block=run_block, fusions=model.fusions, tap=tap)
-    assert out.shape == x.shape and calls == [(torch.Size([4, 32, 32]), True)]  # block 2: route 0's 32 kept tokens
+    out = model(torch.randn(4, 1, 16, 16), torch.rand(4), torch.randint(0, 10, (4,)), repa_tap=tap)
+    assert out.shape == (4, 1, 16, 16) and calls == [(torch.Size([4, 32, 32]), True)]  # block 2: route 0's 32 kept
 
 
 @pytest.mark.parametrize("dynamic, graphs", [(True, 1), (False, 3)])

@@ -5,6 +5,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+import typing
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -173,20 +174,6 @@ def test_a_default_lives_in_one_place(name, prefix):
     assert both == [], f"set in configs/{name} and defaulted in the schema"
 
 
-def test_route_defaults_are_the_routers():
-    """A route's optional keys: the schema's defaults (what the config fills in) are the router's."""
-    from routing_module import DEFAULT_ROUTE
-
-    route = OmegaConf.structured(S.RouteSchema)
-    # importance_mix: the legacy spelling of options.importance_mix, unset (null) unless given
-    optional = [f.name for f in dataclasses.fields(S.RouteSchema) if not OmegaConf.is_missing(route, f.name)
-                and f.name not in ("schedule", "options", "importance_mix")]
-    assert len(optional) == 6 and route.importance_mix is None
-    assert {k: route[k] for k in optional} == {k: getattr(DEFAULT_ROUTE, k) for k in optional}
-    assert dict(route.options) == dict(DEFAULT_ROUTE.options) == {}
-    assert route.schedule.kind == DEFAULT_ROUTE.schedule.kind
-
-
 def test_sample_guidance_is_checked_at_the_entry_point():
     from training.config_check import check_sample_config
 
@@ -214,3 +201,41 @@ def test_names_the_schema_allows_are_the_registries(monkeypatch):
     assert not kind.ok("folder") and kind.allowed == "one of digits, shards"
     monkeypatch.setitem(data.DATASETS, "folder", data.DATASETS["digits"])
     assert kind.ok("folder") and kind.allowed == "one of digits, shards, folder"
+
+
+def test_the_routes_node_is_the_route_itself():
+    """model.params.routes is typed by route_spec.Route, no copy: the command line's keys land on its fields, a
+    misspelt one is refused while composing, and the composed routes become `Route`s that checked themselves."""
+    from route_spec import Route, RouteError
+
+    cfg = compose_train("model=tread", "model.params.routes.0.selection=importance",
+                        "model.params.routes.0.importance_mix=0.3", "model.params.routes.0.end_layer_idx=-2",
+                        "model.params.routes.0.schedule.kind=linear", "model.params.routes.0.schedule.end_ratio=0.25",
+                        "model.params.routes.0.schedule.end_step=10")
+    route, = OmegaConf.to_object(cfg.model.params.routes)
+    assert isinstance(route, Route) and S.ModelParamsSchema.__dataclass_fields__["routes"].type == typing.List[Route]
+    assert (route.selection, route.options, route.importance_mix) == ("importance", {"importance_mix": 0.3}, None)
+    assert route.resolve(12).end_layer_idx == 10 and route.ratio_at(10) == 0.25
+    with pytest.raises(UserError, match="selection_ratioo"):
+        compose_train("model=tread", "model.params.routes.0.selection_ratioo=0.3")
+    bad = compose_train("model=tread", "model.params.routes.0.fusion=spring")
+    with pytest.raises(RouteError, match="fusion must be one of none, sprint, got 'spring'"):
+        OmegaConf.to_object(bad.model.params.routes)
+
+
+def test_a_route_checks_itself_when_built_and_stays_as_built():
+    from route_spec import Route, RouteError, Schedule
+
+    for kwargs, message in ((dict(selection_ratio=1.5), r"selection_ratio must be in \[0, 1\)"),
+                            (dict(path_drop_prob=-0.1), r"path_drop_prob must be in \[0, 1\)"),
+                            (dict(schedule=dict(kind="linear", end_ratio=0.2)), "needs a float end_ratio and an "
+                             "integer end_step"),
+                            (dict(mask_token_trainable="yes"), "mask_token_trainable must be true or false")):
+        with pytest.raises(RouteError, match=message):
+            Route(**{**dict(start_layer_idx=2, end_layer_idx=8, selection_ratio=0.5), **kwargs})
+    route = Route(2, -1, 0.5, schedule=dict(kind="cosine", end_ratio=0.0, end_step=4))
+    assert isinstance(route.schedule, Schedule) and route.ratio_at(2) == pytest.approx(0.25)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        route.selection_ratio = 0.7
+    with pytest.raises(RouteError, match="outside a model of depth 4"):
+        Route(2, 5, 0.5).resolve(4)

@@ -5,7 +5,7 @@ import torch
 from dit import get_model
 from tread_utils.errors import UserError
 from training.flops import routing_flop_report
-from routing_module import RouteError, TokenRouter, num_kept, resolve_routes
+from routing_module import RouteError, end_route, num_kept, resolve_routes, select_kept_tokens, start_route
 
 
 def small_model(routes, depth=6, enable_routing=True, **extra):
@@ -139,14 +139,24 @@ def test_negative_indices_count_from_the_last_block():
     assert resolve_routes([route(-1, -1)], 12)[0].start_layer_idx == 11
 
 
-def test_router_is_architecture_agnostic():
-    """Any block(x, c) stack works; here plain MLP blocks with no DiT parts."""
-    blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(5)])
-    router = TokenRouter(resolve_routes([route(1, 3, 0.5)], 5)).train()
+def test_the_primitives_route_any_token_stack():
+    """select_kept_tokens / start_route / end_route need no DiT part: plain Linear blocks, routed 1 -> 3 as a
+    model's block loop does (DiT.forward, the diffusers hooks)."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(8, 8) for _ in range(5)]
+    h = torch.randn(2, 10, 8)
     sizes = []
-    x = torch.randn(2, 10, 8)
-    out = router(blocks, x, None, run_block=lambda b, h, c: sizes.append(h.shape[1]) or b(h))
-    assert out.shape == x.shape and sizes == [10, 5, 5, 5, 10]
+    for i, block in enumerate(blocks):
+        if i == 1:
+            h_route, keep = h, select_kept_tokens(h, 0.5)
+            h = start_route(h, keep)
+        sizes.append(h.shape[1])
+        h = block(h)
+        if i == 3:
+            h = restored = end_route(h, h_route, keep)
+    assert sizes == [10, 5, 5, 5, 10] and keep.shape == (2, 5)
+    skipped = torch.ones(2, 10, dtype=torch.bool).scatter(1, keep, False)
+    assert torch.equal(restored[skipped], h_route[skipped]), "skipped tokens rejoin unchanged"
 
 
 def test_unknown_backbone_and_param():
@@ -253,3 +263,12 @@ def test_a_route_value_is_never_converted_into_another(spec, message):
     with pytest.raises(RouteError, match=message):
         resolve_routes([spec], 12)
     assert resolve_routes([dict(start_layer_idx=2, end_layer_idx=4.0, selection_ratio=0)], 12)[0].end_layer_idx == 4
+
+
+def test_a_route_built_in_python_with_negative_indices_is_placed_by_the_model():
+    from route_spec import Route
+
+    model = small_model([Route(1, -3, 0.5)])
+    assert model.router.routes[0].end_layer_idx == 3
+    with pytest.raises(RouteError, match="outside a model of depth 6"):
+        small_model([Route(1, 7, 0.5)])

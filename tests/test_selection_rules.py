@@ -40,7 +40,7 @@ def test_a_rule_registered_here_trains_a_step_routing_the_tokens_it_scores_highe
     params = OmegaConf.to_container(merged.model.params)
     model = get_model(merged.model.backbone_type, params).train()
     route, = model.router.routes
-    assert (route.selection, route.options) == ("by_position", (("last", True),))
+    assert (route.selection, route.options) == ("by_position", {"last": True})
 
     routed = []
     start_route = routing_module.start_route
@@ -63,7 +63,7 @@ def test_a_rule_registered_here_trains_a_step_routing_the_tokens_it_scores_highe
 
 def test_a_rules_options_are_checked_against_its_signature(rule):
     base = dict(start_layer_idx=2, end_layer_idx=8, selection_ratio=0.5, selection="by_position")
-    assert resolve_routes([dict(base, options={"weight": 2})], 12)[0].options == (("weight", 2.0),)
+    assert resolve_routes([dict(base, options={"weight": 2})], 12)[0].options == {"weight": 2.0}
     for options, message in (({"lats": True}, "selection by_position has no option 'lats'; its options: last, weight"),
                              ({"last": "yes"}, "selection option last must be bool, got 'yes'"),
                              ({"weight": 2.5}, r"weight must be in \[0.0, 2.0\], got 2.5"),

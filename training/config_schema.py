@@ -15,10 +15,12 @@ is imported.
 """
 import importlib
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from route_spec import Route
 
 
 @dataclass(frozen=True)
@@ -85,40 +87,12 @@ GUIDANCE_INTERVAL = Rule(lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[
 
 
 @dataclass
-class RouteScheduleSchema:
-    kind: str = key("constant (selection_ratio throughout), linear or cosine", "constant")
-    start_ratio: Optional[float] = key("the ratio up to start_step, in [0, 1) (null: selection_ratio)", None)
-    end_ratio: Optional[float] = key("the ratio from end_step on, in [0, 1) (linear, cosine: required)", None)
-    start_step: int = key("the ratio starts moving after this training step, >= 0", 0)
-    end_step: Optional[int] = key("... and reaches end_ratio here, > start_step (linear, cosine: required)", None)
-    levels: Optional[int] = key("round the ratio to this many values from start to end, >= 2 (null: none)", None)
-
-
-@dataclass
-class RouteSchema:
-    start_layer_idx: int = key("first routed block (negative: counted from the last block)")
-    end_layer_idx: int = key("last routed block, inclusive (negative: counted from the last block)")
-    selection_ratio: float = key("fraction of tokens that skip the route, in [0, 1)")
-    selection: str = key("the selection rule, a name in routing_module.SELECTIONS: random (the paper's), "
-                         "importance (by L1 norm), ...", "random")
-    options: Dict[str, Any] = key("the selection rule's keyword options, e.g. importance_mix", factory=dict)
-    importance_mix: Optional[float] = key("importance: options.importance_mix, also accepted here", None)
-    schedule: RouteScheduleSchema = key("the ratio as a function of the training step",
-                                        factory=RouteScheduleSchema)
-    fusion: str = key("none (TREAD: skipped tokens rejoin unchanged) or sprint (SPRINT's sparse deep path)", "none")
-    path_drop_prob: float = key("sprint: training samples whose deep output is all mask tokens, in [0, 1)", 0.1)
-    mask_token_trainable: bool = key("sprint: train the mask token (SPRINT: frozen)", False)
-    mask_token_init: str = key("sprint: mask token init, normal (std 0.02, SPRINT's) or zeros", "normal")
-    fusion_init: str = key("sprint: 2C -> C projection init, xavier (SPRINT's) or deep ([I | 0])", "xavier")
-
-
-@dataclass
 class ModelParamsSchema:
     num_classes: int = key("number of classes (the null class is added): the dataset's", rule=at_least(1))
     in_channels: int = key("latent channels: the dataset's", rule=at_least(1))
     input_size: int = key("latent height = width: the dataset's", rule=at_least(1))
     enable_routing: bool = key("routing during training")
-    routes: List[RouteSchema] = key("routes, in order, without overlap")
+    routes: List[Route] = key("routes, in order, without overlap")
     depth: Optional[int] = key("override the backbone's number of blocks (null: the registry's)", None)
     hidden_size: Optional[int] = key("override the backbone's width", None)
     num_heads: Optional[int] = key("override the backbone's attention heads", None)

@@ -29,9 +29,9 @@ from tread_utils.errors import UserError
 
 
 class Tap:
-    """Filled during one forward pass: the router calls it after block `block` with the tokens [B, K, C] and
-    their positions [B, K] (None: all tokens); then `projected`, the projector's output. A plain object, so DDP
-    passes it through."""
+    """Filled during one forward pass: the model's block loop calls it after block `block` with the tokens
+    [B, K, C] and their positions [B, K] (None: all tokens); then `projected`, the projector's output. A plain
+    object, so DDP passes it through."""
 
     def __init__(self, block: int):
         self.block = block

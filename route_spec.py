@@ -1,0 +1,212 @@
+"""A TREAD route, declared once: the config schema node of `model.params.routes` (training/config_schema.py
+stores it in Hydra's ConfigStore) and the object the router runs (routing_module.py).
+
+`Route` and its `Schedule` check their own values when built, so a route that exists is a valid one;
+`resolve_routes` then places a model's routes in its depth: negative indices count from the last block, and
+routes run in order without overlap. The selection rule's name and options are checked against the registry
+of rules in routing_module.py (which needs torch); everything here is torch-free, so a config is refused
+before torch is imported.
+
+Both dataclasses are immutable once built, like `frozen=True` ones, without declaring it: OmegaConf makes the
+config nodes of a frozen dataclass read-only, and Hydra's overrides (`model.params.routes.0.selection=...`)
+write to them.
+"""
+import math
+from dataclasses import MISSING, FrozenInstanceError, dataclass, field, fields, replace
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from tread_utils.errors import UserError
+
+SCHEDULE_KINDS = ("constant", "linear", "cosine")
+FUSIONS = ("none", "sprint")                  # how a route ends: end_route, or SPRINT's (backbones/sprint.py)
+MASK_TOKEN_INITS = ("normal", "zeros")
+FUSION_INITS = ("xavier", "deep")
+
+
+class RouteError(UserError):
+    """An invalid route configuration."""
+
+
+def is_number(value, integer: bool = False) -> bool:
+    """An int or float (never a bool), integral when `integer`: a config value taken as it is, never converted
+    (2.5 is not a block, false is not a ratio)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and (not integer or float(value).is_integer())
+
+
+def doc(text: str, default=MISSING, factory=MISSING):
+    """A field with its documentation (docs/configuration.md); neither default nor factory: a required key."""
+    return field(default=default, default_factory=factory, metadata={"doc": text})
+
+
+class Immutable:
+    """No field changes once `__post_init__` has checked them (it sets them through `_set`)."""
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_checked"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}: build another with dataclasses.replace")
+        object.__setattr__(self, name, value)
+
+    def _set(self, **values):
+        self.__dict__.update(values)
+
+
+def from_mapping(cls, spec: Mapping, noun: str = ""):
+    """`cls` built from a config mapping: a null value takes the field's default; an unknown key is refused (a
+    misspelt option would otherwise fall back to its default unseen)."""
+    accepted = [f.name for f in fields(cls)]
+    unknown = sorted(set(spec) - set(accepted))
+    if unknown:
+        raise RouteError(f"unknown {noun}key(s) {unknown}; accepted: {', '.join(accepted)}")
+    return cls(**{k: v for k, v in spec.items() if v is not None})
+
+
+@dataclass
+class Schedule(Immutable):
+    kind: str = doc("constant (selection_ratio throughout), linear or cosine", "constant")
+    start_ratio: Optional[float] = doc("the ratio up to start_step, in [0, 1) (null: selection_ratio)", None)
+    end_ratio: Optional[float] = doc("the ratio from end_step on, in [0, 1) (linear, cosine: required)", None)
+    start_step: int = doc("the ratio starts moving after this training step, >= 0", 0)
+    end_step: Optional[int] = doc("... and reaches end_ratio here, > start_step (linear, cosine: required)", None)
+    levels: Optional[int] = doc("round the ratio to this many values from start to end, >= 2 (null: none)", None)
+
+    def __post_init__(self):
+        if self.kind not in SCHEDULE_KINDS:
+            raise RouteError(f"schedule.kind must be one of {', '.join(SCHEDULE_KINDS)}, got {self.kind!r}")
+        if self.kind != "constant":
+            if not (is_number(self.end_ratio) and is_number(self.end_step, integer=True)
+                    and is_number(self.start_step, integer=True)
+                    and (self.start_ratio is None or is_number(self.start_ratio))
+                    and (self.levels is None or is_number(self.levels, integer=True))):
+                raise RouteError(f"a {self.kind} schedule needs a float end_ratio and an integer end_step (and "
+                                 f"optionally start_ratio, start_step, levels), got {self.as_dict()}")
+            for which in ("start_ratio", "end_ratio"):
+                r = getattr(self, which)
+                if r is not None and not 0.0 <= r < 1.0:
+                    raise RouteError(f"schedule.{which} must be in [0, 1), got {r}")
+            if not 0 <= self.start_step < self.end_step:
+                raise RouteError(f"the schedule needs 0 <= start_step < end_step, got {self.start_step} and "
+                                 f"{self.end_step}")
+            if self.levels is not None and self.levels < 2:
+                raise RouteError(f"schedule.levels must be at least 2 (or null: no rounding), got {self.levels}")
+            self._set(start_ratio=None if self.start_ratio is None else float(self.start_ratio),
+                      end_ratio=float(self.end_ratio), start_step=int(self.start_step), end_step=int(self.end_step),
+                      levels=None if self.levels is None else int(self.levels))
+        self._set(_checked=True)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def ratio_at(self, step: int, start_ratio: float) -> float:
+        """The ratio at a training step (not for kind constant); `start_ratio` when the schedule names none."""
+        start = start_ratio if self.start_ratio is None else self.start_ratio
+        t = min(max((step - self.start_step) / (self.end_step - self.start_step), 0.0), 1.0)
+        if self.kind == "cosine":
+            t = 0.5 * (1.0 - math.cos(math.pi * t))
+        if self.levels:
+            t = round(t * (self.levels - 1)) / (self.levels - 1)
+        return start + (self.end_ratio - start) * t
+
+
+@dataclass
+class Route(Immutable):
+    start_layer_idx: int = doc("first routed block (negative: counted from the last block)")
+    end_layer_idx: int = doc("last routed block, inclusive (negative: counted from the last block)")
+    selection_ratio: float = doc("fraction of tokens that skip the route, in [0, 1)")
+    selection: str = doc("the selection rule, a name in routing_module.SELECTIONS: random (the paper's), "
+                         "importance (by L1 norm), ...", "random")
+    options: Dict[str, Any] = doc("the selection rule's keyword options, e.g. importance_mix", factory=dict)
+    importance_mix: Optional[float] = doc("importance: options.importance_mix, also accepted here", None)
+    schedule: Schedule = doc("the ratio as a function of the training step", factory=Schedule)
+    fusion: str = doc("none (TREAD: skipped tokens rejoin unchanged) or sprint (SPRINT's sparse deep path)", "none")
+    path_drop_prob: float = doc("sprint: training samples whose deep output is all mask tokens, in [0, 1)", 0.1)
+    mask_token_trainable: bool = doc("sprint: train the mask token (SPRINT: frozen)", False)
+    mask_token_init: str = doc("sprint: mask token init, normal (std 0.02, SPRINT's) or zeros", "normal")
+    fusion_init: str = doc("sprint: 2C -> C projection init, xavier (SPRINT's) or deep ([I | 0])", "xavier")
+
+    def __post_init__(self):
+        for which, integer in (("start_layer_idx", True), ("end_layer_idx", True), ("selection_ratio", False)):
+            value = getattr(self, which)
+            if not is_number(value, integer):
+                raise self.error(f"{which} must be {'an integer' if integer else 'a number'}, got {value!r}")
+        self._set(start_layer_idx=int(self.start_layer_idx), end_layer_idx=int(self.end_layer_idx),
+                  selection_ratio=float(self.selection_ratio))
+        if not 0.0 <= self.selection_ratio < 1.0:
+            raise self.error(f"selection_ratio must be in [0, 1) (the fraction of tokens that skip), "
+                             f"got {self.selection_ratio}")
+        if not isinstance(self.selection, str) or not isinstance(self.options, Mapping):
+            raise self.error(f"selection must be a rule's name and options a mapping, got {self.selection!r} and "
+                             f"{self.options!r}")
+        if self.importance_mix is not None:  # the legacy spelling, folded into the rule's options
+            self._set(options={**self.options, "importance_mix": self.importance_mix}, importance_mix=None)
+        self._set(options=dict(self.options))
+        try:
+            if isinstance(self.schedule, Mapping):
+                self._set(schedule=from_mapping(Schedule, self.schedule, "schedule "))
+        except RouteError as e:
+            raise self.error(str(e)) from None
+        if not isinstance(self.schedule, Schedule):
+            raise self.error(f"schedule must be a mapping, got {self.schedule!r}")
+        for which, allowed in (("fusion", FUSIONS), ("mask_token_init", MASK_TOKEN_INITS),
+                               ("fusion_init", FUSION_INITS)):
+            if getattr(self, which) not in allowed:
+                raise self.error(f"{which} must be one of {', '.join(allowed)}, got {getattr(self, which)!r}")
+        if not is_number(self.path_drop_prob) or not 0.0 <= self.path_drop_prob < 1.0:
+            raise self.error(f"path_drop_prob must be in [0, 1) (the fraction of training samples whose deep path is "
+                             f"replaced by mask tokens), got {self.path_drop_prob!r}")
+        if not isinstance(self.mask_token_trainable, bool):
+            raise self.error(f"mask_token_trainable must be true or false, got {self.mask_token_trainable!r}")
+        self._set(path_drop_prob=float(self.path_drop_prob), _checked=True)
+
+    def error(self, message: str) -> RouteError:
+        valid = is_number(self.start_layer_idx, True) and is_number(self.end_layer_idx, True) and \
+            is_number(self.selection_ratio)
+        where = f" ({self.start_layer_idx} -> {self.end_layer_idx}, ratio {self.selection_ratio})" if valid else ""
+        return RouteError(f"route{where}: {message}")
+
+    def resolve(self, depth: int) -> "Route":
+        """This route in a model of `depth` blocks: negative indices as block numbers, inside the model, start <= end."""
+        for which in ("start_layer_idx", "end_layer_idx"):
+            idx = getattr(self, which)
+            if not -depth <= idx < depth:
+                raise self.error(f"{which}={idx} is outside a model of depth {depth} "
+                                 f"(valid: 0..{depth - 1}, or -{depth}..-1 counting from the last block)")
+        start, end = self.start_layer_idx % depth, self.end_layer_idx % depth
+        if start > end:
+            raise self.error(f"start block {start} comes after end block {end} (depth {depth}); a route runs "
+                             f"forward from start_layer_idx to end_layer_idx")
+        return replace(self, start_layer_idx=start, end_layer_idx=end)
+
+    def ratio_at(self, step: Optional[int]) -> float:
+        """The ratio in training at `step` (None: not told, the schedule's start)."""
+        if self.schedule.kind == "constant":
+            return self.selection_ratio
+        return self.schedule.ratio_at(self.schedule.start_step if step is None else step, self.selection_ratio)
+
+
+def place_routes(routes: Optional[Sequence], depth: int) -> list:
+    """Routes (`Route`s, or the config's mappings) in a model of `depth` blocks, each resolved, in order and
+    without overlap. A refusal names the route by its place in the list."""
+    placed = []
+    for i, r in enumerate(routes or []):
+        if not isinstance(r, (Route, Mapping)):
+            raise RouteError(f"route {i} ({r!r}) needs integer start_layer_idx, end_layer_idx and a float "
+                             f"selection_ratio")
+        missing = [k for k in ("start_layer_idx", "end_layer_idx", "selection_ratio")
+                   if isinstance(r, Mapping) and r.get(k) is None]
+        if missing:
+            raise RouteError(f"route {i} needs integer start_layer_idx, end_layer_idx and a float selection_ratio; "
+                             f"it has no {' or '.join(missing)}")
+        try:
+            route = (from_mapping(Route, r) if isinstance(r, Mapping) else r).resolve(depth)
+        except RouteError as e:  # named by its place in the list
+            message = str(e)
+            raise RouteError(f"route {i}{message[5:]}" if message.startswith("route") else f"route {i}: {message}") \
+                from None
+        if placed and route.start_layer_idx <= placed[-1].end_layer_idx:
+            prev = placed[-1]
+            raise RouteError(f"route {i} ({route.start_layer_idx} -> {route.end_layer_idx}): overlaps or comes "
+                             f"before route {i - 1} ({prev.start_layer_idx} -> {prev.end_layer_idx}) in a model of "
+                             f"depth {depth}; list routes in order, each starting after the previous one ends")
+        placed.append(route)
+    return placed
