@@ -32,3 +32,14 @@ def test_bench_runs_the_other_families(tmp_path):
                                                                   ("ltx", 32), ("hunyuan", 32)]
     for row in record["rows"]:
         assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0
+
+
+def test_bench_runs_zimage(tmp_path):
+    """Z-Image (latents as a list per sample, captions after the image): its routed step needs fewer FLOPs."""
+    out = tmp_path / "bench.json"
+    bench_diffusers.main(["--archs", "zimage", "--width", "64", "--depth", "4", "--tokens-side", "4", "--batch-size",
+                          "2", "--rounds", "1", "--steps", "1", "--threads", str(torch.get_num_threads()),
+                          "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["arch"], row["tokens"]) == ("zimage", 16)
+    assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0

@@ -83,6 +83,8 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
         return dict(hidden_states=x_t.flatten(2).transpose(1, 2), encoder_hidden_states=text, timestep=t * 1000,
                     encoder_attention_mask=text.new_ones(text.shape[:2]), num_frames=frames, height=rows,
                     width=columns)
+    if name == "ZImageTransformer2DModel":  # latents [B, C, 1, H, W] (one frame), t in [0, 1]
+        return dict(x=x_t[:, :, None], cap_feats=text, t=t)
     if name == "SD3Transformer2DModel":
         return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000)
     if name == "HunyuanVideoTransformer3DModel":  # video latents [B, C, F, H, W] as they are, t * 1000
@@ -110,6 +112,8 @@ def flow_matching_loss(model, latents: torch.Tensor, text: torch.Tensor, pooled:
     noise = torch.randn_like(latents)
     x_t = (1 - t.view(-1, *[1] * (latents.ndim - 1))) * latents + t.view(-1, *[1] * (latents.ndim - 1)) * noise
     pred = model(**model_inputs(model, x_t, text, pooled, t), return_dict=False)[0]
+    if isinstance(pred, list):  # Z-Image: [C, 1, H, W] per sample
+        pred = torch.stack(pred).reshape(latents.shape)
     if pred.shape != latents.shape:  # tokens [B, N, C] of latents [B, C, *grid] (LTX-Video)
         pred = pred.transpose(1, 2).reshape(latents.shape)
     return (pred.float() - (noise - latents).float()).square().mean()
