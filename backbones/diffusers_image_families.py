@@ -9,10 +9,15 @@ docstring says what a family entry holds); the hooks in backbones/diffusers_trea
   rows. Its attention mask [B, L] (present when the captions differ in length) is cut the same way. The
   modulation `adaln_input` [B, D] is one per sample. The omni variant (nested image lists, SigLIP features,
   per-token noise masks) and ControlNet residuals are refused.
+- Krea2 (`transformer_blocks`): a single stream [text, image] in every block's `hidden_states`, the text leading
+  (its length is `encoder_hidden_states`'); only the image part is routed. Its RoPE (cos, sin) [T + N, head_dim]
+  over the joint sequence has no batch dimension, and its attention mask [B, 1, 1, T + N] masks padded text:
+  both are cut as FLUX's single-stream blocks' are (`_joint_narrow`). The modulation [B, 1, 6 * D] is one per
+  sample.
 """
 import torch
 
-from backbones.diffusers_families import FAMILIES, RELIES_ON, Family, gather_attention_mask
+from backbones.diffusers_families import FAMILIES, RELIES_ON, Family, _joint_narrow, gather_attention_mask
 from tread_utils.errors import UserError
 
 ZIMAGE_PATCH = 2, 1  # ZImageTransformer2DModel.forward's default patch_size and f_patch_size
@@ -68,14 +73,28 @@ def _zimage_narrow(kw: dict, keep: torch.Tensor) -> None:
         kw["attn_mask"] = gather_attention_mask(kw["attn_mask"], positions, "Z-Image")
 
 
+def _krea2_lead(transformer, kw: dict) -> dict:
+    """Krea2's blocks get [text, image] in one tensor."""
+    return {"transformer_blocks": kw["encoder_hidden_states"].shape[1]}
+
+
+def _krea2_grid(transformer, kw: dict) -> tuple:
+    """Rows x columns of the packed image, read from the image rows of position_ids [T + N, 3]."""
+    ids = kw["position_ids"][kw["encoder_hidden_states"].shape[1]:]
+    return (int(ids[:, 1].unique().numel()), int(ids[:, 2].unique().numel()))
+
+
 IMAGE_FAMILIES = {
     "ZImageTransformer2DModel": Family(("layers",), None, _zimage_narrow, _zimage_grid,
                                        ("controlnet_block_samples", "siglip_feats", "image_noise_mask"),
                                        tail=_zimage_tail, hidden="x"),
+    "Krea2Transformer2DModel": Family(("transformer_blocks",), None, _joint_narrow, _krea2_grid, lead=_krea2_lead),
 }
 FAMILIES.update(IMAGE_FAMILIES)
 RELIES_ON.update({
     "ZImageTransformer2DModel": {"forward": ("x", "cap_feats", "patch_size", "f_patch_size",
                                              "controlnet_block_samples", "siglip_feats", "image_noise_mask"),
                                  "layers": ("x", "attn_mask", "freqs_cis", "noise_mask")},
+    "Krea2Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "position_ids"),
+                                "transformer_blocks": ("hidden_states", "temb", "image_rotary_emb", "attention_mask")},
 })

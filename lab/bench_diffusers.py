@@ -1,5 +1,5 @@
 """Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread):
-FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, LTX-Video and HunyuanVideo (4 frames) at 1,024 image tokens, with
+FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video and HunyuanVideo (4 frames) at 1,024 image tokens, with
 the FLOP bound from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
@@ -11,6 +11,8 @@ the FLOP bound from torch.utils.flop_counter.
         --out docs/perf/diffusers_hunyuan_cpu.json
     python -m lab.bench_diffusers --archs zimage --tokens-side 32 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_zimage_cpu.json
+    python -m lab.bench_diffusers --archs krea2 --tokens-side 32 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_krea2_cpu.json
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights, on random latents and
 text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
@@ -30,7 +32,7 @@ import torch
 from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unrouted
 from tread_utils.errors import report_user_errors
 
-PACKED = ("flux", "flux2", "chroma", "qwen")  # take packed latent tokens
+PACKED = ("flux", "flux2", "chroma", "qwen", "krea2")  # take packed latent tokens
 VIDEO = ("ltx", "hunyuan")
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 
@@ -47,6 +49,14 @@ def random_packed(arch: str, channels: int, width: int, depth: int, text_dim: in
     if arch == "flux2":
         return diffusers.Flux2Transformer2DModel(num_layers=dual, num_single_layers=depth - dual,
                                                  axes_dims_rope=(16, 16, 16, 16), guidance_embeds=False, **common)
+    if arch == "krea2":  # every block single-stream on [text, image]
+        return diffusers.Krea2Transformer2DModel(in_channels=channels * 4, num_layers=depth, attention_head_dim=64,
+                                                 num_attention_heads=width // 64, num_key_value_heads=width // 64,
+                                                 intermediate_size=4 * width, text_hidden_dim=text_dim,
+                                                 num_text_layers=1, text_num_attention_heads=1,
+                                                 text_num_key_value_heads=1, text_intermediate_size=2 * text_dim,
+                                                 num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
+                                                 axes_dims_rope=(16, 24, 24))
     if arch == "chroma":
         return diffusers.ChromaTransformer2DModel(num_layers=dual, num_single_layers=depth - dual,
                                                   axes_dims_rope=(16, 24, 24), approximator_hidden_dim=width,

@@ -209,7 +209,11 @@ def narrow_by_hand(name, kw, keep, lead, tail):
         text = kw["encoder_hidden_states"].shape[1] if kw.get("encoder_hidden_states") is not None else lead
         kw["image_rotary_emb"] = tuple(HandRope(per_sample(lambda b: torch.cat([t[:text], t[text:][keep[b]]])))
                                        for t in kw["image_rotary_emb"])
-        if kw.get("attention_mask") is not None:  # Chroma's [B, text + N] mask
+        if name == "krea2":  # its [B, 1, 1, text + N] mask
+            mask = kw["attention_mask"]
+            kw["attention_mask"] = per_sample(lambda b: torch.cat([mask[b][..., :text],
+                                                                   mask[b][..., text:][..., keep[b]]], -1))
+        elif kw.get("attention_mask") is not None:  # Chroma's [B, text + N] mask
             kw["attention_mask"] = per_sample(lambda b: torch.cat([kw["attention_mask"][b, :text],
                                                                     kw["attention_mask"][b, text:][keep[b]]]))
     if name == "hunyuan":  # the video's RoPE rows [B, K, head_dim]; the mask [B, 1, 1, N + T], video first
@@ -244,7 +248,7 @@ def reference_forward(name, model, inputs, keep, start, end, n):
     for _, handle in captured:
         handle.remove()
     seen = [dict(s) for s, _ in captured]
-    tail = seen[0][key].shape[1] - n  # the first block holds the image and its references alone
+    tail = seen[0][key].shape[1] - n - (inputs["encoder_hidden_states"].shape[1] if name in TEXT_FIRST else 0)
     rows = torch.arange(keep.shape[0])[:, None]
     lead = seen[start][key].shape[1] - n - tail
     x = seen[start][key]
@@ -288,3 +292,29 @@ def zimage(frames=1):
 FAMILIES.update(zimage=zimage)
 BLOCK_LISTS.update(zimage=("layers",))
 HIDDEN = {"zimage": "x"}  # the blocks' argument for the routed tokens, where it is not hidden_states
+
+
+def krea2():
+    """Krea2, the second sample's last two text tokens padding (an attention mask)."""
+    from diffusers import Krea2Transformer2DModel
+
+    model = Krea2Transformer2DModel(in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=2,
+                                    num_key_value_heads=1, intermediate_size=32, timestep_embed_dim=16,
+                                    text_hidden_dim=16, num_text_layers=2, text_num_attention_heads=2,
+                                    text_num_key_value_heads=2, text_intermediate_size=32, num_layerwise_text_blocks=1,
+                                    num_refiner_text_blocks=1, axes_dims_rope=(2, 2, 4))
+    h, w = 4, 6
+    img_ids, txt_ids = _flux_ids(h, w, 5, 3)
+    text_mask = torch.ones(B, 5, dtype=torch.bool)
+    text_mask[1, 3:] = False
+    inputs = dict(hidden_states=torch.randn(B, h * w, 4), encoder_hidden_states=torch.randn(B, 5, 2, 16),
+                  timestep=torch.rand(B), position_ids=torch.cat([txt_ids, img_ids]), encoder_attention_mask=text_mask,
+                  return_dict=False)
+    return model, inputs, (h, w)
+
+
+FAMILIES.update(krea2=krea2)
+BLOCK_LISTS.update(krea2=("transformer_blocks",))
+PACKED += ("krea2",)
+JOINT_ROPE += ("krea2",)
+TEXT_FIRST = ("krea2",)  # the text leads the image in every block's hidden_states

@@ -13,7 +13,7 @@ from diffusers_tiny import B, HIDDEN, JOINT_ROPE, PACKED, blocks_of, bound, buil
 from tread_utils.errors import UserError  # noqa: E402
 
 FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan", "auraflow",
-            "zimage")
+            "zimage", "krea2")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
@@ -125,7 +125,7 @@ def angles_match(name, table, full, keep, text):
 
 @pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
                                          ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3),
-                                         ("hunyuan", 1), ("hunyuan", 3)])
+                                         ("hunyuan", 1), ("hunyuan", 3), ("krea2", None)])
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
@@ -278,7 +278,7 @@ def test_masked_loss_weights_the_loss_by_the_mask():
     assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3", "zimage"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3", "zimage", "krea2"])
 def test_negative_indices_count_from_the_last_block(name):
     model, inputs, _ = build(name)
     blocks = blocks_of(name, model)

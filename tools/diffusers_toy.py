@@ -76,7 +76,8 @@ def random_sd3(channels: int, width: int, heads: int, depth: int, text_dim: int,
 def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor, t: torch.Tensor) -> dict:
     """The forward keywords of noisy latents `x_t` at times `t` in [0, 1]: SD3 takes latents and t * 1000; FLUX,
     FLUX.2, Chroma and Qwen-Image packed tokens of a square-ish grid, with their position inputs, and t; LTX-Video
-    video latents as tokens; HunyuanVideo video latents."""
+    video latents as tokens; HunyuanVideo video latents; Z-Image one-frame latents; Krea2 packed tokens after the
+    text, with their positions."""
     name = type(model).__name__
     if name == "LTXVideoTransformer3DModel":  # video latents [B, C, F, H, W] as tokens (patch 1), t * 1000
         frames, rows, columns = x_t.shape[2:]
@@ -92,6 +93,9 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
                     encoder_attention_mask=text.new_ones(text.shape[:2]))
     rows = int(round(x_t.shape[1] ** 0.5))
     columns = x_t.shape[1] // rows
+    if name == "Krea2Transformer2DModel":  # text [B, T, text layers = 1, D]; positions of [text, image], text at 0
+        ids = torch.cat([text.new_zeros(text.shape[1], 3), image_ids(rows, columns).to(text)])
+        return dict(hidden_states=x_t, encoder_hidden_states=text[:, :, None], timestep=t, position_ids=ids)
     if name == "QwenImageTransformer2DModel":
         return dict(hidden_states=x_t, encoder_hidden_states=text, timestep=t,
                     img_shapes=[[(1, rows, columns)]] * len(t))
