@@ -1,6 +1,6 @@
 """Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread):
-FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video and HunyuanVideo (4 frames) at 1,024 image tokens, with
-the FLOP bound from torch.utils.flop_counter.
+FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video and HunyuanVideo (4 frames) at 1,024
+image tokens, with the FLOP bound from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
     python -m lab.bench_diffusers --archs flux2 chroma qwen --tokens-side 32 --batch-size 2 --rounds 4 \
