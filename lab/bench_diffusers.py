@@ -1,6 +1,6 @@
 """Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread):
-FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, LTX-Video and HunyuanVideo (4 frames) at 1,024 image tokens, with
-the FLOP bound from torch.utils.flop_counter.
+FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video and HunyuanVideo (4 frames) at 1,024
+image tokens, with the FLOP bound from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
     python -m lab.bench_diffusers --archs flux2 chroma qwen --tokens-side 32 --batch-size 2 --rounds 4 \
@@ -9,6 +9,10 @@ the FLOP bound from torch.utils.flop_counter.
         --out docs/perf/diffusers_video_cpu.json
     python -m lab.bench_diffusers --archs hunyuan --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_hunyuan_cpu.json
+    python -m lab.bench_diffusers --archs zimage --tokens-side 32 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_zimage_cpu.json
+    python -m lab.bench_diffusers --archs krea2 --tokens-side 32 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_krea2_cpu.json
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights, on random latents and
 text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
@@ -28,7 +32,7 @@ import torch
 from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unrouted
 from tread_utils.errors import report_user_errors
 
-PACKED = ("flux", "flux2", "chroma", "qwen")  # take packed latent tokens
+PACKED = ("flux", "flux2", "chroma", "qwen", "krea2")  # take packed latent tokens
 VIDEO = ("ltx", "hunyuan")
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 
@@ -45,6 +49,14 @@ def random_packed(arch: str, channels: int, width: int, depth: int, text_dim: in
     if arch == "flux2":
         return diffusers.Flux2Transformer2DModel(num_layers=dual, num_single_layers=depth - dual,
                                                  axes_dims_rope=(16, 16, 16, 16), guidance_embeds=False, **common)
+    if arch == "krea2":  # every block single-stream on [text, image]
+        return diffusers.Krea2Transformer2DModel(in_channels=channels * 4, num_layers=depth, attention_head_dim=64,
+                                                 num_attention_heads=width // 64, num_key_value_heads=width // 64,
+                                                 intermediate_size=4 * width, text_hidden_dim=text_dim,
+                                                 num_text_layers=1, text_num_attention_heads=1,
+                                                 text_num_key_value_heads=1, text_intermediate_size=2 * text_dim,
+                                                 num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
+                                                 axes_dims_rope=(16, 24, 24))
     if arch == "chroma":
         return diffusers.ChromaTransformer2DModel(num_layers=dual, num_single_layers=depth - dual,
                                                   axes_dims_rope=(16, 24, 24), approximator_hidden_dim=width,
@@ -68,6 +80,16 @@ def random_video(arch: str, channels: int, width: int, depth: int, text_dim: int
                                                 cross_attention_dim=width, num_layers=depth, caption_channels=text_dim)
 
 
+def random_zimage(channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
+    """A random Z-Image transformer (one noise and one context refiner before `depth` main layers), head_dim 64."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    return diffusers.ZImageTransformer2DModel(in_channels=channels, dim=width, n_layers=depth, n_refiner_layers=1,
+                                              n_heads=width // 64, n_kv_heads=width // 64, cap_feat_dim=text_dim,
+                                              axes_dims=[16, 24, 24], axes_lens=[256, 64, 64])
+
+
 def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: int, text_len: int = 16,
                     frames: int = 4):
     """The random model and a function drawing a batch (latents, text tokens, pooled) for it."""
@@ -83,7 +105,8 @@ def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: 
         make = lambda: torch.randn(batch, channels, frames, side, side)  # noqa: E731
     else:
         side = tokens_side * 2  # patch 2
-        model = random_sd3(channels, width, width // 64, depth, text_dim, side)
+        model = (random_zimage(channels, width, depth, text_dim) if arch == "zimage"
+                 else random_sd3(channels, width, width // 64, depth, text_dim, side))
         make = lambda: torch.randn(batch, channels, side, side)  # noqa: E731
     return model, lambda: (make(), torch.randn(batch, text_len, text_dim), torch.randn(batch, text_dim))
 
@@ -102,7 +125,7 @@ def to_markdown(record: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", nargs="+", choices=(*PACKED, "sd3", *VIDEO), default=("flux", "sd3"))
+    p.add_argument("--archs", nargs="+", choices=(*PACKED, "sd3", *VIDEO, "zimage"), default=("flux", "sd3"))
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=8,
                    help="blocks (FLUX, FLUX.2, Chroma: a quarter dual-stream, the rest single)")

@@ -209,7 +209,11 @@ def narrow_by_hand(name, kw, keep, lead, tail):
         text = kw["encoder_hidden_states"].shape[1] if kw.get("encoder_hidden_states") is not None else lead
         kw["image_rotary_emb"] = tuple(HandRope(per_sample(lambda b: torch.cat([t[:text], t[text:][keep[b]]])))
                                        for t in kw["image_rotary_emb"])
-        if kw.get("attention_mask") is not None:  # Chroma's [B, text + N] mask
+        if name == "krea2":  # its [B, 1, 1, text + N] mask
+            mask = kw["attention_mask"]
+            kw["attention_mask"] = per_sample(lambda b: torch.cat([mask[b][..., :text],
+                                                                   mask[b][..., text:][..., keep[b]]], -1))
+        elif kw.get("attention_mask") is not None:  # Chroma's [B, text + N] mask
             kw["attention_mask"] = per_sample(lambda b: torch.cat([kw["attention_mask"][b, :text],
                                                                     kw["attention_mask"][b, text:][keep[b]]]))
     if name == "hunyuan":  # the video's RoPE rows [B, K, head_dim]; the mask [B, 1, 1, N + T], video first
@@ -222,6 +226,10 @@ def narrow_by_hand(name, kw, keep, lead, tail):
         kw["image_rotary_emb"] = tuple(per_sample(lambda b: t[b, keep[b]]) for t in kw["image_rotary_emb"])
         if kw["temb"].shape[1] > 1:
             kw["temb"] = per_sample(lambda b: kw["temb"][b, keep[b]])
+    if name == "zimage":  # per-sample complex RoPE [B, L, head_dim / 2] and mask [B, L]: kept rows, then the tail's
+        for k in ("freqs_cis", "attn_mask"):
+            if kw.get(k) is not None:
+                kw[k] = per_sample(lambda b: torch.cat([kw[k][b, keep[b]], kw[k][b, kw[k].shape[1] - tail:]]))
     if name == "wan":
         kw["rotary_emb"] = tuple(per_sample(lambda b: t[0, keep[b]]) for t in kw["rotary_emb"])
         if kw["temb"].ndim == 4:  # Wan 2.2's per-token timestep
@@ -233,25 +241,25 @@ def reference_forward(name, model, inputs, keep, start, end, n):
     before `start`, scatter them back after `end`; returns the last block's output tokens (text first where the
     single-stream blocks carry it; reference-image tokens after the target). The other inputs of each block
     come from an unrouted pass."""
-    blocks = blocks_of(name, model)
+    blocks, key = blocks_of(name, model), HIDDEN.get(name, "hidden_states")
     captured = [capture_inputs(block) for block in blocks]
     with torch.no_grad():
         model(**inputs)
     for _, handle in captured:
         handle.remove()
     seen = [dict(s) for s, _ in captured]
-    tail = seen[0]["hidden_states"].shape[1] - n  # the first block holds the image and its references alone
+    tail = seen[0][key].shape[1] - n - (inputs["encoder_hidden_states"].shape[1] if name in TEXT_FIRST else 0)
     rows = torch.arange(keep.shape[0])[:, None]
-    lead = seen[start]["hidden_states"].shape[1] - n - tail
-    x = seen[start]["hidden_states"]
+    lead = seen[start][key].shape[1] - n - tail
+    x = seen[start][key]
     x_full = x[:, lead:lead + n]
     x = torch.cat([x[:, :lead], x_full[rows, keep], x[:, lead + n:]], 1)
     text = seen[start].get("encoder_hidden_states")
     for i in range(start, len(blocks)):
         kw = dict(seen[i])
-        if kw["hidden_states"].shape[1] > n + tail and not lead:  # text and image joined for single-stream blocks
-            x, lead = torch.cat([text, x], 1), kw["hidden_states"].shape[1] - n - tail
-        kw["hidden_states"] = x
+        if kw[key].shape[1] > n + tail and not lead:  # text and image joined for single-stream blocks
+            x, lead = torch.cat([text, x], 1), kw[key].shape[1] - n - tail
+        kw[key] = x
         if kw.get("encoder_hidden_states") is not None:
             kw["encoder_hidden_states"] = text
         if start <= i <= end:
@@ -266,3 +274,47 @@ def reference_forward(name, model, inputs, keep, start, end, n):
             full[rows, keep] = x[:, lead:lead + keep.shape[1]]
             x = torch.cat([x[:, :lead], full, x[:, lead + keep.shape[1]:]], 1)
     return x
+
+
+# -- Z-Image, Lumina2, ErnieImage, Krea2 (backbones/diffusers_image_families.py) ---------------------------------
+def zimage(frames=1):
+    """Z-Image with captions of 5 and 40 tokens (padded to 32 and 64: an attention mask) and 4 x 6 image tokens
+    (padded to 32)."""
+    from diffusers import ZImageTransformer2DModel
+
+    model = ZImageTransformer2DModel(in_channels=4, dim=16, n_layers=4, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+                                     cap_feat_dim=16, axes_dims=[2, 2, 4], axes_lens=[128, 16, 16])
+    inputs = dict(x=torch.randn(B, 4, frames, 8, 12), t=torch.rand(B),
+                  cap_feats=[torch.randn(5, 16), torch.randn(40, 16)], return_dict=False)
+    return model, inputs, ((4, 6) if frames == 1 else (frames, 4, 6))
+
+
+FAMILIES.update(zimage=zimage)
+BLOCK_LISTS.update(zimage=("layers",))
+HIDDEN = {"zimage": "x"}  # the blocks' argument for the routed tokens, where it is not hidden_states
+
+
+def krea2():
+    """Krea2, the second sample's last two text tokens padding (an attention mask)."""
+    from diffusers import Krea2Transformer2DModel
+
+    model = Krea2Transformer2DModel(in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=2,
+                                    num_key_value_heads=1, intermediate_size=32, timestep_embed_dim=16,
+                                    text_hidden_dim=16, num_text_layers=2, text_num_attention_heads=2,
+                                    text_num_key_value_heads=2, text_intermediate_size=32, num_layerwise_text_blocks=1,
+                                    num_refiner_text_blocks=1, axes_dims_rope=(2, 2, 4))
+    h, w = 4, 6
+    img_ids, txt_ids = _flux_ids(h, w, 5, 3)
+    text_mask = torch.ones(B, 5, dtype=torch.bool)
+    text_mask[1, 3:] = False
+    inputs = dict(hidden_states=torch.randn(B, h * w, 4), encoder_hidden_states=torch.randn(B, 5, 2, 16),
+                  timestep=torch.rand(B), position_ids=torch.cat([txt_ids, img_ids]), encoder_attention_mask=text_mask,
+                  return_dict=False)
+    return model, inputs, (h, w)
+
+
+FAMILIES.update(krea2=krea2)
+BLOCK_LISTS.update(krea2=("transformer_blocks",))
+PACKED += ("krea2",)
+JOINT_ROPE += ("krea2",)
+TEXT_FIRST = ("krea2",)  # the text leads the image in every block's hidden_states

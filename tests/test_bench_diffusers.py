@@ -32,3 +32,16 @@ def test_bench_runs_the_other_families(tmp_path):
                                                                   ("ltx", 32), ("hunyuan", 32)]
     for row in record["rows"]:
         assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0
+
+
+def test_bench_runs_zimage_and_krea2(tmp_path):
+    """Z-Image (latents as a list per sample, captions after the image) and Krea2 (text before the image in every
+    block): each routed step needs fewer FLOPs."""
+    out = tmp_path / "bench.json"
+    bench_diffusers.main(["--archs", "zimage", "krea2", "--width", "64", "--depth", "4", "--tokens-side", "4",
+                          "--batch-size", "2", "--rounds", "1", "--steps", "1",
+                          "--threads", str(torch.get_num_threads()), "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["arch"], r["tokens"]) for r in rows] == [("zimage", 16), ("krea2", 16)]
+    for row in rows:
+        assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0

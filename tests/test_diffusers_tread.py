@@ -9,15 +9,17 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
-from diffusers_tiny import B, JOINT_ROPE, PACKED, blocks_of, bound, build, reference_forward  # noqa: E402
+from diffusers_tiny import B, HIDDEN, JOINT_ROPE, PACKED, blocks_of, bound, build, reference_forward  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan", "auraflow")
+FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan", "auraflow",
+            "zimage", "krea2")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
 def run(model, inputs):
-    return model(**inputs)[0]
+    out = model(**inputs)[0]
+    return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one latent per sample
 
 
 def capture_image_output(name, block):
@@ -123,7 +125,7 @@ def angles_match(name, table, full, keep, text):
 
 @pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
                                          ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3),
-                                         ("hunyuan", 1), ("hunyuan", 3)])
+                                         ("hunyuan", 1), ("hunyuan", 3), ("krea2", None)])
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
@@ -149,8 +151,9 @@ def test_rope_each_kept_token_keeps_its_angles(name, frames):
 
 
 def input_grads(name, model, inputs):
-    x = inputs["hidden_states"].clone().requires_grad_(True)
-    run(model, dict(inputs, hidden_states=x)).square().mean().backward()
+    key = "x" if "x" in inputs else "hidden_states"  # Z-Image's latents are `x`
+    x = inputs[key].clone().requires_grad_(True)
+    run(model, dict(inputs, **{key: x})).square().mean().backward()
     return x.grad
 
 
@@ -275,14 +278,15 @@ def test_masked_loss_weights_the_loss_by_the_mask():
     assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3", "zimage", "krea2"])
 def test_negative_indices_count_from_the_last_block(name):
     model, inputs, _ = build(name)
     blocks = blocks_of(name, model)
     handle = apply_tread(model, {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -1}]})
     lengths = {}
-    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: lengths.__setitem__(i, bound(m, a, k)["hidden_states"]
-                                                                                .shape[1]), with_kwargs=True)
+    key = HIDDEN.get(name, "hidden_states")
+    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: lengths.__setitem__(i, bound(m, a, k)[key].shape[1]),
+                                         with_kwargs=True)
              for i, b in enumerate(blocks)]
     model.train()
     run(model, inputs)

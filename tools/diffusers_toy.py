@@ -76,13 +76,16 @@ def random_sd3(channels: int, width: int, heads: int, depth: int, text_dim: int,
 def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor, t: torch.Tensor) -> dict:
     """The forward keywords of noisy latents `x_t` at times `t` in [0, 1]: SD3 takes latents and t * 1000; FLUX,
     FLUX.2, Chroma and Qwen-Image packed tokens of a square-ish grid, with their position inputs, and t; LTX-Video
-    video latents as tokens; HunyuanVideo video latents."""
+    video latents as tokens; HunyuanVideo video latents; Z-Image one-frame latents; Krea2 packed tokens after the
+    text, with their positions."""
     name = type(model).__name__
     if name == "LTXVideoTransformer3DModel":  # video latents [B, C, F, H, W] as tokens (patch 1), t * 1000
         frames, rows, columns = x_t.shape[2:]
         return dict(hidden_states=x_t.flatten(2).transpose(1, 2), encoder_hidden_states=text, timestep=t * 1000,
                     encoder_attention_mask=text.new_ones(text.shape[:2]), num_frames=frames, height=rows,
                     width=columns)
+    if name == "ZImageTransformer2DModel":  # latents [B, C, 1, H, W] (one frame), t in [0, 1]
+        return dict(x=x_t[:, :, None], cap_feats=text, t=t)
     if name == "SD3Transformer2DModel":
         return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000)
     if name == "HunyuanVideoTransformer3DModel":  # video latents [B, C, F, H, W] as they are, t * 1000
@@ -90,6 +93,9 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
                     encoder_attention_mask=text.new_ones(text.shape[:2]))
     rows = int(round(x_t.shape[1] ** 0.5))
     columns = x_t.shape[1] // rows
+    if name == "Krea2Transformer2DModel":  # text [B, T, text layers = 1, D]; positions of [text, image], text at 0
+        ids = torch.cat([text.new_zeros(text.shape[1], 3), image_ids(rows, columns).to(text)])
+        return dict(hidden_states=x_t, encoder_hidden_states=text[:, :, None], timestep=t, position_ids=ids)
     if name == "QwenImageTransformer2DModel":
         return dict(hidden_states=x_t, encoder_hidden_states=text, timestep=t,
                     img_shapes=[[(1, rows, columns)]] * len(t))
@@ -110,6 +116,8 @@ def flow_matching_loss(model, latents: torch.Tensor, text: torch.Tensor, pooled:
     noise = torch.randn_like(latents)
     x_t = (1 - t.view(-1, *[1] * (latents.ndim - 1))) * latents + t.view(-1, *[1] * (latents.ndim - 1)) * noise
     pred = model(**model_inputs(model, x_t, text, pooled, t), return_dict=False)[0]
+    if isinstance(pred, list):  # Z-Image: [C, 1, H, W] per sample
+        pred = torch.stack(pred).reshape(latents.shape)
     if pred.shape != latents.shape:  # tokens [B, N, C] of latents [B, C, *grid] (LTX-Video)
         pred = pred.transpose(1, 2).reshape(latents.shape)
     return (pred.float() - (noise - latents).float()).square().mean()
