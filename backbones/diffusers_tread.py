@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from backbones import diffusers_video_families  # noqa: F401  (registers its families into the tables)
 from backbones.diffusers_families import RELIES_ON, Family, family_of
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
@@ -210,7 +211,7 @@ class TreadHandle:
             elif not self._on:
                 ctx = None
             elif is_start:
-                x = bound_kwargs(names, args, kwargs)["hidden_states"]
+                x = bound_kwargs(names, args, kwargs)[self.family.tokens]
                 x = x[:, lead:x.shape[1] - tail]
                 ctx = (self._select(route, x), x)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
@@ -223,9 +224,9 @@ class TreadHandle:
             keep = ctx[0]
             kw = bound_kwargs(names, args, kwargs)
             if is_start:
-                x = kw["hidden_states"]
+                x = kw[self.family.tokens]
                 image = start_route(x[:, lead:x.shape[1] - tail], keep)
-                kw["hidden_states"] = _join(x[:, :lead], image, x[:, x.shape[1] - tail:])
+                kw[self.family.tokens] = _join(x[:, :lead], image, x[:, x.shape[1] - tail:])
             self.family.narrow(kw, keep)
             return (), kw
         return hook
@@ -284,7 +285,7 @@ def _replaying(checkpoint_func):
 def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: str = "half",
                 kept_count: str = "authors", **options) -> TreadHandle:
     """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
-    HunyuanVideo or AuraFlow transformer; returns the handle.
+    HunyuanVideo, AuraFlow, Cosmos or Kandinsky 5 transformer; returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
     `mask_rule` makes a mask image into tokens ("half" or "any", backbones/diffusers_masks.py); `kept_count`
     is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""

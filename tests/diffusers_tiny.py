@@ -198,6 +198,8 @@ class HandRope:
 def narrow_by_hand(name, kw, keep, lead, tail):
     """A routed block's other per-token inputs, written out sample by sample."""
     per_sample = lambda f: torch.stack([f(b) for b in range(keep.shape[0])])  # noqa: E731
+    if name in VIDEO_HAND_NARROW:
+        return VIDEO_HAND_NARROW[name](kw, keep, per_sample)
     if name.startswith("qwen"):  # the target's kept rows, then every reference row (the text's table whole)
         image, text = kw["image_rotary_emb"]
         n = image.shape[0] - tail
@@ -240,18 +242,19 @@ def reference_forward(name, model, inputs, keep, start, end, n):
     for _, handle in captured:
         handle.remove()
     seen = [dict(s) for s, _ in captured]
-    tail = seen[0]["hidden_states"].shape[1] - n  # the first block holds the image and its references alone
+    key = TOKENS.get(name, "hidden_states")  # the blocks' argument that holds the image tokens
+    tail = seen[0][key].shape[1] - n  # the first block holds the image and its references alone
     rows = torch.arange(keep.shape[0])[:, None]
-    lead = seen[start]["hidden_states"].shape[1] - n - tail
-    x = seen[start]["hidden_states"]
+    lead = seen[start][key].shape[1] - n - tail
+    x = seen[start][key]
     x_full = x[:, lead:lead + n]
     x = torch.cat([x[:, :lead], x_full[rows, keep], x[:, lead + n:]], 1)
     text = seen[start].get("encoder_hidden_states")
     for i in range(start, len(blocks)):
         kw = dict(seen[i])
-        if kw["hidden_states"].shape[1] > n + tail and not lead:  # text and image joined for single-stream blocks
-            x, lead = torch.cat([text, x], 1), kw["hidden_states"].shape[1] - n - tail
-        kw["hidden_states"] = x
+        if kw[key].shape[1] > n + tail and not lead:  # text and image joined for single-stream blocks
+            x, lead = torch.cat([text, x], 1), kw[key].shape[1] - n - tail
+        kw[key] = x
         if kw.get("encoder_hidden_states") is not None:
             kw["encoder_hidden_states"] = text
         if start <= i <= end:
@@ -266,3 +269,70 @@ def reference_forward(name, model, inputs, keep, start, end, n):
             full[rows, keep] = x[:, lead:lead + keep.shape[1]]
             x = torch.cat([x[:, :lead], full, x[:, lead + keep.shape[1]:]], 1)
     return x
+
+
+# -- diffusers_video_families ---------------------------------------------------------------------------------
+def cosmos(frames=2):
+    """Cosmos (text by cross-attention, a text mask); random learnable positions (diffusers starts them at zero)."""
+    from diffusers import CosmosTransformer3DModel
+
+    model = CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+                                     num_layers=4, mlp_ratio=2.0, text_embed_dim=16, adaln_lora_dim=8,
+                                     max_size=(8, 16, 16), concat_padding_mask=False)
+    for p in model.learnable_pos_embed.parameters():
+        torch.nn.init.normal_(p)
+    text_mask = torch.ones(B, 5, dtype=torch.bool)
+    text_mask[1, 3:] = False
+    inputs = dict(hidden_states=torch.randn(B, 4, frames, 8, 6), timestep=torch.rand(B),
+                  encoder_hidden_states=torch.randn(B, 5, 16), attention_mask=text_mask, return_dict=False)
+    return model, inputs, (frames, 4, 3)
+
+
+class HandRopeHeads(HandRope):
+    """As HandRope, for attention that holds [B, heads, S, head_dim] (diffusers' `cos[None, None]`)."""
+
+    def __getitem__(self, index):
+        assert index == (None, None, slice(None), slice(None)), index
+        return self.table.unsqueeze(1)
+
+
+def _cosmos_by_hand(kw, keep, per_sample):
+    """The video's RoPE rows [B, K, head_dim]; learnable positions and per-frame modulation [B, K, D]."""
+    kw["image_rotary_emb"] = tuple(HandRopeHeads(per_sample(lambda b: t[keep[b]])) for t in kw["image_rotary_emb"])
+    for key in ("extra_pos_emb", "embedded_timestep", "temb"):
+        if kw[key].ndim == 3:
+            kw[key] = per_sample(lambda b: kw[key][b, keep[b]])
+
+
+def kandinsky(frames=2):
+    """Kandinsky 5 (one text block, four visual blocks); its modulations, zero at diffusers' init, made random so
+    that every block changes the tokens."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    model = Kandinsky5Transformer3DModel(in_visual_dim=4, in_text_dim=16, in_text_dim2=16, time_dim=16,
+                                         out_visual_dim=4, model_dim=24, ff_dim=32, num_text_blocks=1,
+                                         num_visual_blocks=4, axes_dims=(4, 4, 4))
+    for name, p in model.named_parameters():
+        if "modulation" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    h, w = 4, 3
+    inputs = dict(hidden_states=torch.randn(B, frames, 2 * h, 2 * w, 4), encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.rand(B) * 1000, pooled_projections=torch.randn(B, 16),
+                  visual_rope_pos=(torch.arange(frames), torch.arange(h), torch.arange(w)),
+                  text_rope_pos=torch.arange(5), return_dict=True)  # its return_dict=False gives the bare tensor
+    return model, inputs, (frames, h, w)
+
+
+def _kandinsky_by_hand(kw, keep, per_sample):
+    """Its RoPE rotation matrices are per sample already, [B, N, 1, head_dim / 2, 2, 2]: the kept rows."""
+    kw["rope"] = per_sample(lambda b: kw["rope"][b, keep[b]])
+
+
+VIDEO_FAMILIES = ("cosmos", "kandinsky")
+FAMILIES.update(cosmos=cosmos, kandinsky=kandinsky)
+BLOCK_LISTS.update(cosmos=("transformer_blocks",), kandinsky=("visual_transformer_blocks",))
+VIDEO_HAND_NARROW = {"cosmos": _cosmos_by_hand, "kandinsky": _kandinsky_by_hand}
+TOKENS = {"kandinsky": "visual_embed"}  # the blocks' argument that holds the image tokens, where not hidden_states
+CHANNELS_LAST = ("kandinsky",)  # latents [B, *grid, C]
+ROPE_ATTENTION = {"kandinsky": ("self_attention", "rotary_emb")}  # where a block's RoPE reaches its attention
+LORA_TARGETS = {"kandinsky": ["to_query", "to_key", "to_value"]}
