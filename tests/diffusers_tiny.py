@@ -249,19 +249,20 @@ def reference_forward(name, model, inputs, keep, start, end, n):
     x = seen[start][key]
     x_full = x[:, lead:lead + n]
     x = torch.cat([x[:, :lead], x_full[rows, keep], x[:, lead + n:]], 1)
-    text = seen[start].get("encoder_hidden_states")
+    stream = SECOND_STREAM.get(name, "encoder_hidden_states")  # the other stream a block updates and returns
+    text = seen[start].get(stream)
     for i in range(start, len(blocks)):
         kw = dict(seen[i])
         if kw[key].shape[1] > n + tail and not lead:  # text and image joined for single-stream blocks
             x, lead = torch.cat([text, x], 1), kw[key].shape[1] - n - tail
         kw[key] = x
-        if kw.get("encoder_hidden_states") is not None:
-            kw["encoder_hidden_states"] = text
+        if kw.get(stream) is not None:
+            kw[stream] = text
         if start <= i <= end:
             narrow_by_hand(name, kw, keep, lead, tail)
         out = blocks[i](**kw)
-        if isinstance(out, tuple):  # (text, image); HunyuanVideo (image, text)
-            out, other = (out[0], out[1]) if name == "hunyuan" else (out[1], out[0])
+        if isinstance(out, tuple):  # (text, image); HunyuanVideo (image, text), LTX-2 (video, audio)
+            out, other = (out[0], out[1]) if name in IMAGE_FIRST else (out[1], out[0])
             text = text if other is None else other
         x = out
         if i == end:
@@ -328,11 +329,47 @@ def _kandinsky_by_hand(kw, keep, per_sample):
     kw["rope"] = per_sample(lambda b: kw["rope"][b, keep[b]])
 
 
-VIDEO_FAMILIES = ("cosmos", "kandinsky")
-FAMILIES.update(cosmos=cosmos, kandinsky=kandinsky)
-BLOCK_LISTS.update(cosmos=("transformer_blocks",), kandinsky=("visual_transformer_blocks",))
-VIDEO_HAND_NARROW = {"cosmos": _cosmos_by_hand, "kandinsky": _kandinsky_by_hand}
+def ltx2(frames=2, rope_type="interleaved"):
+    """LTX-2: video tokens and, beside them, 6 audio tokens; prompt modulation from sigma (LTX-2.3)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    model = LTX2VideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+                                        cross_attention_dim=24, audio_in_channels=4, audio_out_channels=4,
+                                        audio_num_attention_heads=2, audio_attention_head_dim=8,
+                                        audio_cross_attention_dim=16, num_layers=4, caption_channels=16,
+                                        rope_type=rope_type)
+    h, w, audio = 4, 3, 6
+    inputs = dict(hidden_states=torch.randn(B, frames * h * w, 4), audio_hidden_states=torch.randn(B, audio, 4),
+                  encoder_hidden_states=torch.randn(B, 5, 16), audio_encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.rand(B) * 1000, sigma=torch.rand(B), encoder_attention_mask=torch.ones(B, 5),
+                  audio_encoder_attention_mask=torch.ones(B, 5), num_frames=frames, height=h, width=w,
+                  audio_num_frames=audio, return_dict=False)
+    return model, inputs, (frames, h, w)
+
+
+def _ltx2_by_hand(kw, keep, per_sample):
+    """The video's RoPE rows (interleaved [B, N, dim], split [B, heads, N, head_dim / 2]), per-token modulations
+    [B, N, k * D] and self-attention mask [B, N, N] at each sample's kept tokens."""
+    for key in ("video_rotary_emb", "ca_video_rotary_emb"):
+        kw[key] = tuple(per_sample(lambda b: t[b, keep[b]] if t.ndim == 3 else t[b][:, keep[b]]) for t in kw[key])
+    for key in ("temb", "temb_ca_scale_shift", "temb_ca_gate"):
+        if kw[key].shape[1] > 1:
+            kw[key] = per_sample(lambda b: kw[key][b, keep[b]])
+    if kw.get("self_attention_mask") is not None:
+        kw["self_attention_mask"] = per_sample(lambda b: kw["self_attention_mask"][b][keep[b]][:, keep[b]])
+
+
+VIDEO_FAMILIES = ("cosmos", "kandinsky", "ltx2", "ltx2_split")
+FAMILIES.update(cosmos=cosmos, kandinsky=kandinsky, ltx2=ltx2, ltx2_split=lambda: ltx2(rope_type="split"))
+BLOCK_LISTS.update(cosmos=("transformer_blocks",), kandinsky=("visual_transformer_blocks",),
+                   ltx2=("transformer_blocks",), ltx2_split=("transformer_blocks",))
+VIDEO_HAND_NARROW = {"cosmos": _cosmos_by_hand, "kandinsky": _kandinsky_by_hand, "ltx2": _ltx2_by_hand,
+                     "ltx2_split": _ltx2_by_hand}
+PACKED = PACKED + ("ltx2", "ltx2_split")
+IMAGE_FIRST = ("hunyuan", "ltx2", "ltx2_split")  # blocks that return (image, other stream)
+SECOND_STREAM = {"ltx2": "audio_hidden_states", "ltx2_split": "audio_hidden_states"}  # other than the text
 TOKENS = {"kandinsky": "visual_embed"}  # the blocks' argument that holds the image tokens, where not hidden_states
 CHANNELS_LAST = ("kandinsky",)  # latents [B, *grid, C]
-ROPE_ATTENTION = {"kandinsky": ("self_attention", "rotary_emb")}  # where a block's RoPE reaches its attention
+ROPE_ATTENTION = {"kandinsky": ("self_attention", "rotary_emb"),  # where a block's RoPE reaches its attention
+                  "ltx2": ("attn1", "query_rotary_emb")}
 LORA_TARGETS = {"kandinsky": ["to_query", "to_key", "to_value"]}

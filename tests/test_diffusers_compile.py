@@ -8,10 +8,10 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
-from diffusers_tiny import VIDEO_FAMILIES, build  # noqa: E402
+from diffusers_tiny import build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow") + VIDEO_FAMILIES
+FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow", "cosmos", "kandinsky", "ltx2")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
 
 

@@ -9,8 +9,8 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
-from diffusers_tiny import (B, CHANNELS_LAST, JOINT_ROPE, LORA_TARGETS, PACKED, ROPE_ATTENTION,  # noqa: E402
-                           TOKENS, VIDEO_FAMILIES, blocks_of, bound, build, reference_forward)
+from diffusers_tiny import (B, CHANNELS_LAST, IMAGE_FIRST, JOINT_ROPE, LORA_TARGETS, PACKED,  # noqa: E402
+                           ROPE_ATTENTION, TOKENS, VIDEO_FAMILIES, blocks_of, bound, build, reference_forward)
 from tread_utils.errors import UserError  # noqa: E402
 
 FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan",
@@ -22,11 +22,17 @@ def run(model, inputs):
     return model(**inputs)[0]
 
 
+def training_loss(model, inputs):
+    """The mean squared output; LTX-2 returns (video, audio), both denoised, so both join the loss."""
+    out = model(**inputs)
+    return sum(part.square().mean() for part in (out if isinstance(out, tuple) else (out[0],)))
+
+
 def capture_image_output(name, block):
     seen = {}
 
     def hook(module, args, output):
-        seen["x"] = output if isinstance(output, torch.Tensor) else output[0 if name == "hunyuan" else 1]
+        seen["x"] = output if isinstance(output, torch.Tensor) else output[0 if name in IMAGE_FIRST else 1]
     return seen, block.register_forward_hook(hook)
 
 
@@ -60,12 +66,17 @@ SINGLE_STREAM_ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2
                                           ("ltx", "per_token_t"), ("auraflow", "single_stream"),
                                           ("flux2", "single_stream"), ("chroma", "single_stream"),
                                           ("chroma", "text_mask"), ("hunyuan", "single_stream"),
-                                          ("cosmos", "per_frame_t")])
+                                          ("cosmos", "per_frame_t"), ("ltx2", "per_token_t"),
+                                          ("ltx2_split", "per_token_t"), ("ltx2", "self_mask")])
 def test_routed_forward_matches_hand_built_reference(name, variant):
     model, inputs, grid = build(name)
     n = math.prod(grid)
     if variant == "per_token_t":  # Wan 2.2 TI2V, LTX-Video's conditioning frames: a per-token embedding per block
         inputs["timestep"] = torch.randint(0, 1000, (B, n))
+        if "audio_hidden_states" in inputs:  # LTX-2's audio then needs its own
+            inputs["audio_timestep"] = torch.randint(0, 1000, (B,))
+    if variant == "self_mask":  # LTX-2's video self-attention mask (IC-LoRA), [B, N, N] in [0, 1]
+        inputs["video_self_attention_mask"] = (torch.rand(B, n, n) < 0.7).float().maximum(torch.eye(n))
     if variant == "per_frame_t":  # Cosmos video-to-world: a timestep per frame [B, 1, F, 1, 1]
         inputs["timestep"] = torch.rand(B, 1, grid[0], 1, 1)
     if variant == "text_mask":  # Chroma's mask over [text, image]: the second sample's last two text tokens are padding
@@ -96,11 +107,12 @@ def test_routed_forward_matches_hand_built_reference(name, variant):
 def rope_tables_seen(name, model):
     """Hooks on every block's self-attention that keep the RoPE table it is given, per block."""
     seen, hooks = {}, []
+    attention, argument = ROPE_ATTENTION.get(name, (None, "image_rotary_emb"))
     for i, block in enumerate(blocks_of(name, model)):
-        attn = block.attn1 if hasattr(block, "attn1") else block.attn
+        attn = getattr(block, attention) if attention else block.attn1 if hasattr(block, "attn1") else block.attn
 
         def hook(module, args, kwargs, i=i):
-            seen[i] = kwargs["image_rotary_emb"] if "image_rotary_emb" in kwargs else args[3]
+            seen[i] = kwargs[argument] if argument in kwargs else args[3]
         hooks.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
     return seen, hooks
 
@@ -121,14 +133,15 @@ def angles_match(name, table, full, keep, text):
     if name in ("hunyuan", "cosmos"):  # the video's rows only, [B, K, 1, head_dim]
         table = table[None, :, None, :]
         return all(torch.equal(table[b, :, 0], full[keep[b]]) for b in range(keep.shape[0]))
-    if name == "ltx":  # per sample already: [B, K, dim] from [B, N, dim]
+    if name in ("ltx", "ltx2"):  # per sample already: [B, K, dim] from [B, N, dim]
         return all(torch.equal(table[b], full[b, keep[b]]) for b in range(keep.shape[0]))
     return all(torch.equal(table[b, :, 0], full[0, keep[b], 0]) for b in range(keep.shape[0]))
 
 
 @pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
                                          ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3),
-                                         ("hunyuan", 1), ("hunyuan", 3), ("cosmos", 1), ("cosmos", 3)])
+                                         ("hunyuan", 1), ("hunyuan", 3), ("cosmos", 1), ("cosmos", 3),
+                                         ("ltx2", 1), ("ltx2", 3)])
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
@@ -155,7 +168,7 @@ def test_rope_each_kept_token_keeps_its_angles(name, frames):
 
 def input_grads(name, model, inputs):
     x = inputs["hidden_states"].clone().requires_grad_(True)
-    run(model, dict(inputs, hidden_states=x)).square().mean().backward()
+    training_loss(model, dict(inputs, hidden_states=x)).backward()
     return x.grad
 
 
@@ -197,7 +210,7 @@ def test_lora_only_adapters_train(name):
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=0.1)
-    run(model, inputs).square().mean().backward()
+    training_loss(model, inputs).backward()
     grads = {n for n, p in model.named_parameters() if p.grad is not None}
     assert grads and all("lora_" in n for n in grads)
     assert grads == {n for n, p in model.named_parameters() if p.requires_grad}
@@ -281,7 +294,8 @@ def test_masked_loss_weights_the_loss_by_the_mask():
     assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3", "cosmos", "kandinsky"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3", "cosmos", "kandinsky",
+                                  "ltx2"])
 def test_negative_indices_count_from_the_last_block(name):
     model, inputs, _ = build(name)
     blocks, key = blocks_of(name, model), TOKENS.get(name, "hidden_states")
