@@ -260,7 +260,7 @@ class Family:
     lead: Callable = _no_lead      # (transformer, forward kwargs) -> {block list: text tokens before the image}
     tensor_lists: Tuple[str, ...] = ()  # block lists whose output is the tensor itself, whatever out_index says
     tail: Callable = _no_tail      # (transformer, forward kwargs) -> conditioning tokens after the image
-    hidden: str = "hidden_states"  # the block argument that holds the routed tokens
+    tokens: str = "hidden_states"  # the block argument that holds the routed tokens
 
     def image(self, output, kind: str):
         return output if self.out_index is None or kind in self.tensor_lists else output[self.out_index]

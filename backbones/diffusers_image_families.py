@@ -87,7 +87,7 @@ def _krea2_grid(transformer, kw: dict) -> tuple:
 IMAGE_FAMILIES = {
     "ZImageTransformer2DModel": Family(("layers",), None, _zimage_narrow, _zimage_grid,
                                        ("controlnet_block_samples", "siglip_feats", "image_noise_mask"),
-                                       tail=_zimage_tail, hidden="x"),
+                                       tail=_zimage_tail, tokens="x"),
     "Krea2Transformer2DModel": Family(("transformer_blocks",), None, _joint_narrow, _krea2_grid, lead=_krea2_lead),
 }
 FAMILIES.update(IMAGE_FAMILIES)

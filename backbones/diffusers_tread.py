@@ -34,8 +34,8 @@ from typing import Optional
 
 import torch
 
+from backbones import diffusers_image_families, diffusers_video_families  # noqa: F401  (register their families)
 from backbones.diffusers_families import RELIES_ON, Family, family_of
-from backbones.diffusers_image_families import IMAGE_FAMILIES  # noqa: F401  (registers them in the table)
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
 from tread_utils.errors import UserError
@@ -211,7 +211,7 @@ class TreadHandle:
             elif not self._on:
                 ctx = None
             elif is_start:
-                x = bound_kwargs(names, args, kwargs)[self.family.hidden]
+                x = bound_kwargs(names, args, kwargs)[self.family.tokens]
                 x = x[:, lead:x.shape[1] - tail]
                 ctx = (self._select(route, x), x)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
@@ -224,9 +224,9 @@ class TreadHandle:
             keep = ctx[0]
             kw = bound_kwargs(names, args, kwargs)
             if is_start:
-                x = kw[self.family.hidden]
+                x = kw[self.family.tokens]
                 image = start_route(x[:, lead:x.shape[1] - tail], keep)
-                kw[self.family.hidden] = _join(x[:, :lead], image, x[:, x.shape[1] - tail:])
+                kw[self.family.tokens] = _join(x[:, :lead], image, x[:, x.shape[1] - tail:])
             self.family.narrow(kw, keep)
             return (), kw
         return hook
@@ -285,7 +285,7 @@ def _replaying(checkpoint_func):
 def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: str = "half",
                 kept_count: str = "authors", **options) -> TreadHandle:
     """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
-    HunyuanVideo, AuraFlow, Z-Image or Krea2 transformer; returns the handle.
+    HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5 or LTX-2 transformer; returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
     `mask_rule` makes a mask image into tokens ("half" or "any", backbones/diffusers_masks.py); `kept_count`
     is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""

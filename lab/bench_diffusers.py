@@ -1,6 +1,6 @@
 """Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread):
-FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video and HunyuanVideo (4 frames) at 1,024
-image tokens, with the FLOP bound from torch.utils.flop_counter.
+FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video, HunyuanVideo, Cosmos, Kandinsky 5 and LTX-2
+(4 frames) at 1,024 image tokens, with the FLOP bound from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
     python -m lab.bench_diffusers --archs flux2 chroma qwen --tokens-side 32 --batch-size 2 --rounds 4 \
@@ -13,6 +13,12 @@ image tokens, with the FLOP bound from torch.utils.flop_counter.
         --out docs/perf/diffusers_zimage_cpu.json
     python -m lab.bench_diffusers --archs krea2 --tokens-side 32 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_krea2_cpu.json
+    python -m lab.bench_diffusers --archs cosmos --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_cosmos_cpu.json
+    python -m lab.bench_diffusers --archs kandinsky --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_kandinsky_cpu.json
+    python -m lab.bench_diffusers --archs ltx2 --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_ltx2_cpu.json
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights, on random latents and
 text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
@@ -33,7 +39,7 @@ from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unroute
 from tread_utils.errors import report_user_errors
 
 PACKED = ("flux", "flux2", "chroma", "qwen", "krea2")  # take packed latent tokens
-VIDEO = ("ltx", "hunyuan")
+VIDEO = ("ltx", "hunyuan", "cosmos", "kandinsky", "ltx2")
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 
 
@@ -66,10 +72,29 @@ def random_packed(arch: str, channels: int, width: int, depth: int, text_dim: in
 
 
 def random_video(arch: str, channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
-    """A random LTX-Video (all blocks alike) or HunyuanVideo (a quarter dual-stream) transformer, head_dim 64."""
+    """A random LTX-Video or Cosmos (all blocks alike), LTX-2 (an audio stream of width 64 beside the video),
+    HunyuanVideo (a quarter dual-stream) or Kandinsky 5 (one text block before the video blocks) transformer,
+    head_dim 64."""
     import diffusers
 
     torch.manual_seed(seed)
+    if arch == "ltx2":
+        return diffusers.LTX2VideoTransformer3DModel(in_channels=channels, out_channels=channels,
+                                                     num_attention_heads=width // 64, attention_head_dim=64,
+                                                     cross_attention_dim=width, audio_in_channels=channels,
+                                                     audio_out_channels=channels, audio_num_attention_heads=1,
+                                                     audio_attention_head_dim=64, audio_cross_attention_dim=64,
+                                                     num_layers=depth, caption_channels=text_dim)
+    if arch == "kandinsky":
+        return diffusers.Kandinsky5Transformer3DModel(in_visual_dim=channels, in_text_dim=text_dim,
+                                                      in_text_dim2=text_dim, time_dim=width, out_visual_dim=channels,
+                                                      model_dim=width, ff_dim=4 * width, num_text_blocks=1,
+                                                      num_visual_blocks=depth, axes_dims=(16, 24, 24))
+    if arch == "cosmos":
+        return diffusers.CosmosTransformer3DModel(in_channels=channels, out_channels=channels,
+                                                  num_attention_heads=width // 64, attention_head_dim=64,
+                                                  num_layers=depth, text_embed_dim=text_dim, adaln_lora_dim=width,
+                                                  max_size=(16, 128, 128), concat_padding_mask=False)
     if arch == "hunyuan":
         return diffusers.HunyuanVideoTransformer3DModel(
             in_channels=channels, out_channels=channels, num_attention_heads=width // 64, attention_head_dim=64,
@@ -99,10 +124,11 @@ def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: 
                  else random_packed(arch, channels, width, depth, text_dim))
         side = tokens_side * 2  # latent pixels; 2x2 packing gives tokens_side^2 tokens
         make = lambda: pack(torch.randn(batch, channels, side, side))  # noqa: E731
-    elif arch in VIDEO:  # a few frames of tokens_side^2 tokens each (LTX-Video: patch 1; HunyuanVideo: 2 x 2)
+    elif arch in VIDEO:  # a few frames of tokens_side^2 tokens each (LTX-Video: patch 1; the others 2 x 2)
         model = random_video(arch, channels, width, depth, text_dim)
-        side = tokens_side * (2 if arch == "hunyuan" else 1)
-        make = lambda: torch.randn(batch, channels, frames, side, side)  # noqa: E731
+        side = tokens_side * (1 if arch in ("ltx", "ltx2") else 2)
+        shape = (frames, side, side, channels) if arch == "kandinsky" else (channels, frames, side, side)
+        make = lambda: torch.randn(batch, *shape)  # noqa: E731
     else:
         side = tokens_side * 2  # patch 2
         model = (random_zimage(channels, width, depth, text_dim) if arch == "zimage"

@@ -198,6 +198,8 @@ class HandRope:
 def narrow_by_hand(name, kw, keep, lead, tail):
     """A routed block's other per-token inputs, written out sample by sample."""
     per_sample = lambda f: torch.stack([f(b) for b in range(keep.shape[0])])  # noqa: E731
+    if name in VIDEO_HAND_NARROW:
+        return VIDEO_HAND_NARROW[name](kw, keep, per_sample)
     if name.startswith("qwen"):  # the target's kept rows, then every reference row (the text's table whole)
         image, text = kw["image_rotary_emb"]
         n = image.shape[0] - tail
@@ -241,32 +243,34 @@ def reference_forward(name, model, inputs, keep, start, end, n):
     before `start`, scatter them back after `end`; returns the last block's output tokens (text first where the
     single-stream blocks carry it; reference-image tokens after the target). The other inputs of each block
     come from an unrouted pass."""
-    blocks, key = blocks_of(name, model), HIDDEN.get(name, "hidden_states")
+    blocks = blocks_of(name, model)
     captured = [capture_inputs(block) for block in blocks]
     with torch.no_grad():
         model(**inputs)
     for _, handle in captured:
         handle.remove()
     seen = [dict(s) for s, _ in captured]
+    key = TOKENS.get(name, "hidden_states")  # the blocks' argument that holds the image tokens
     tail = seen[0][key].shape[1] - n - (inputs["encoder_hidden_states"].shape[1] if name in TEXT_FIRST else 0)
     rows = torch.arange(keep.shape[0])[:, None]
     lead = seen[start][key].shape[1] - n - tail
     x = seen[start][key]
     x_full = x[:, lead:lead + n]
     x = torch.cat([x[:, :lead], x_full[rows, keep], x[:, lead + n:]], 1)
-    text = seen[start].get("encoder_hidden_states")
+    stream = SECOND_STREAM.get(name, "encoder_hidden_states")  # the other stream a block updates and returns
+    text = seen[start].get(stream)
     for i in range(start, len(blocks)):
         kw = dict(seen[i])
         if kw[key].shape[1] > n + tail and not lead:  # text and image joined for single-stream blocks
             x, lead = torch.cat([text, x], 1), kw[key].shape[1] - n - tail
         kw[key] = x
-        if kw.get("encoder_hidden_states") is not None:
-            kw["encoder_hidden_states"] = text
+        if kw.get(stream) is not None:
+            kw[stream] = text
         if start <= i <= end:
             narrow_by_hand(name, kw, keep, lead, tail)
         out = blocks[i](**kw)
-        if isinstance(out, tuple):  # (text, image); HunyuanVideo (image, text)
-            out, other = (out[0], out[1]) if name == "hunyuan" else (out[1], out[0])
+        if isinstance(out, tuple):  # (text, image); HunyuanVideo (image, text), LTX-2 (video, audio)
+            out, other = (out[0], out[1]) if name in IMAGE_FIRST else (out[1], out[0])
             text = text if other is None else other
         x = out
         if i == end:
@@ -291,7 +295,7 @@ def zimage(frames=1):
 
 FAMILIES.update(zimage=zimage)
 BLOCK_LISTS.update(zimage=("layers",))
-HIDDEN = {"zimage": "x"}  # the blocks' argument for the routed tokens, where it is not hidden_states
+TOKENS = {"zimage": "x"}  # the blocks' argument that holds the image tokens, where not hidden_states
 
 
 def krea2():
@@ -318,3 +322,106 @@ BLOCK_LISTS.update(krea2=("transformer_blocks",))
 PACKED += ("krea2",)
 JOINT_ROPE += ("krea2",)
 TEXT_FIRST = ("krea2",)  # the text leads the image in every block's hidden_states
+
+
+# -- diffusers_video_families ---------------------------------------------------------------------------------
+def cosmos(frames=2):
+    """Cosmos (text by cross-attention, a text mask); random learnable positions (diffusers starts them at zero)."""
+    from diffusers import CosmosTransformer3DModel
+
+    model = CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+                                     num_layers=4, mlp_ratio=2.0, text_embed_dim=16, adaln_lora_dim=8,
+                                     max_size=(8, 16, 16), concat_padding_mask=False)
+    for p in model.learnable_pos_embed.parameters():
+        torch.nn.init.normal_(p)
+    text_mask = torch.ones(B, 5, dtype=torch.bool)
+    text_mask[1, 3:] = False
+    inputs = dict(hidden_states=torch.randn(B, 4, frames, 8, 6), timestep=torch.rand(B),
+                  encoder_hidden_states=torch.randn(B, 5, 16), attention_mask=text_mask, return_dict=False)
+    return model, inputs, (frames, 4, 3)
+
+
+class HandRopeHeads(HandRope):
+    """As HandRope, for attention that holds [B, heads, S, head_dim] (diffusers' `cos[None, None]`)."""
+
+    def __getitem__(self, index):
+        assert index == (None, None, slice(None), slice(None)), index
+        return self.table.unsqueeze(1)
+
+
+def _cosmos_by_hand(kw, keep, per_sample):
+    """The video's RoPE rows [B, K, head_dim]; learnable positions and per-frame modulation [B, K, D]."""
+    kw["image_rotary_emb"] = tuple(HandRopeHeads(per_sample(lambda b: t[keep[b]])) for t in kw["image_rotary_emb"])
+    for key in ("extra_pos_emb", "embedded_timestep", "temb"):
+        if kw[key].ndim == 3:
+            kw[key] = per_sample(lambda b: kw[key][b, keep[b]])
+
+
+def kandinsky(frames=2):
+    """Kandinsky 5 (one text block, four visual blocks); its modulations, zero at diffusers' init, made random so
+    that every block changes the tokens."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    model = Kandinsky5Transformer3DModel(in_visual_dim=4, in_text_dim=16, in_text_dim2=16, time_dim=16,
+                                         out_visual_dim=4, model_dim=24, ff_dim=32, num_text_blocks=1,
+                                         num_visual_blocks=4, axes_dims=(4, 4, 4))
+    for name, p in model.named_parameters():
+        if "modulation" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    h, w = 4, 3
+    inputs = dict(hidden_states=torch.randn(B, frames, 2 * h, 2 * w, 4), encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.rand(B) * 1000, pooled_projections=torch.randn(B, 16),
+                  visual_rope_pos=(torch.arange(frames), torch.arange(h), torch.arange(w)),
+                  text_rope_pos=torch.arange(5), return_dict=True)  # its return_dict=False gives the bare tensor
+    return model, inputs, (frames, h, w)
+
+
+def _kandinsky_by_hand(kw, keep, per_sample):
+    """Its RoPE rotation matrices are per sample already, [B, N, 1, head_dim / 2, 2, 2]: the kept rows."""
+    kw["rope"] = per_sample(lambda b: kw["rope"][b, keep[b]])
+
+
+def ltx2(frames=2, rope_type="interleaved"):
+    """LTX-2: video tokens and, beside them, 6 audio tokens; prompt modulation from sigma (LTX-2.3)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    model = LTX2VideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+                                        cross_attention_dim=24, audio_in_channels=4, audio_out_channels=4,
+                                        audio_num_attention_heads=2, audio_attention_head_dim=8,
+                                        audio_cross_attention_dim=16, num_layers=4, caption_channels=16,
+                                        rope_type=rope_type)
+    h, w, audio = 4, 3, 6
+    inputs = dict(hidden_states=torch.randn(B, frames * h * w, 4), audio_hidden_states=torch.randn(B, audio, 4),
+                  encoder_hidden_states=torch.randn(B, 5, 16), audio_encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.rand(B) * 1000, sigma=torch.rand(B), encoder_attention_mask=torch.ones(B, 5),
+                  audio_encoder_attention_mask=torch.ones(B, 5), num_frames=frames, height=h, width=w,
+                  audio_num_frames=audio, return_dict=False)
+    return model, inputs, (frames, h, w)
+
+
+def _ltx2_by_hand(kw, keep, per_sample):
+    """The video's RoPE rows (interleaved [B, N, dim], split [B, heads, N, head_dim / 2]), per-token modulations
+    [B, N, k * D] and self-attention mask [B, N, N] at each sample's kept tokens."""
+    for key in ("video_rotary_emb", "ca_video_rotary_emb"):
+        kw[key] = tuple(per_sample(lambda b: t[b, keep[b]] if t.ndim == 3 else t[b][:, keep[b]]) for t in kw[key])
+    for key in ("temb", "temb_ca_scale_shift", "temb_ca_gate"):
+        if kw[key].shape[1] > 1:
+            kw[key] = per_sample(lambda b: kw[key][b, keep[b]])
+    if kw.get("self_attention_mask") is not None:
+        kw["self_attention_mask"] = per_sample(lambda b: kw["self_attention_mask"][b][keep[b]][:, keep[b]])
+
+
+VIDEO_FAMILIES = ("cosmos", "kandinsky", "ltx2", "ltx2_split")
+FAMILIES.update(cosmos=cosmos, kandinsky=kandinsky, ltx2=ltx2, ltx2_split=lambda: ltx2(rope_type="split"))
+BLOCK_LISTS.update(cosmos=("transformer_blocks",), kandinsky=("visual_transformer_blocks",),
+                   ltx2=("transformer_blocks",), ltx2_split=("transformer_blocks",))
+VIDEO_HAND_NARROW = {"cosmos": _cosmos_by_hand, "kandinsky": _kandinsky_by_hand, "ltx2": _ltx2_by_hand,
+                     "ltx2_split": _ltx2_by_hand}
+PACKED = PACKED + ("ltx2", "ltx2_split")
+IMAGE_FIRST = ("hunyuan", "ltx2", "ltx2_split")  # blocks that return (image, other stream)
+SECOND_STREAM = {"ltx2": "audio_hidden_states", "ltx2_split": "audio_hidden_states"}  # other than the text
+TOKENS.update(kandinsky="visual_embed")
+CHANNELS_LAST = ("kandinsky",)  # latents [B, *grid, C]
+ROPE_ATTENTION = {"kandinsky": ("self_attention", "rotary_emb"),  # where a block's RoPE reaches its attention
+                  "ltx2": ("attn1", "query_rotary_emb")}
+LORA_TARGETS = {"kandinsky": ["to_query", "to_key", "to_value"]}

@@ -45,3 +45,16 @@ def test_bench_runs_zimage_and_krea2(tmp_path):
     assert [(r["arch"], r["tokens"]) for r in rows] == [("zimage", 16), ("krea2", 16)]
     for row in rows:
         assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0
+
+
+def test_bench_runs_cosmos_kandinsky_and_ltx2(tmp_path):
+    """Cosmos, Kandinsky 5 (channels-last latents) and LTX-2 (with audio) at a few frames: each routed step needs
+    fewer FLOPs."""
+    out = tmp_path / "bench.json"
+    bench_diffusers.main(["--archs", "cosmos", "kandinsky", "ltx2", "--width", "64", "--depth", "4", "--tokens-side",
+                          "4", "--frames", "2", "--batch-size", "2", "--rounds", "1", "--steps", "1",
+                          "--threads", str(torch.get_num_threads()), "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert [(r["arch"], r["tokens"]) for r in record["rows"]] == [("cosmos", 32), ("kandinsky", 32), ("ltx2", 32)]
+    for row in record["rows"]:
+        assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0

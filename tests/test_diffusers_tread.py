@@ -9,11 +9,12 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
-from diffusers_tiny import B, HIDDEN, JOINT_ROPE, PACKED, blocks_of, bound, build, reference_forward  # noqa: E402
+from diffusers_tiny import (B, CHANNELS_LAST, IMAGE_FIRST, JOINT_ROPE, LORA_TARGETS, PACKED,  # noqa: E402
+                           ROPE_ATTENTION, TOKENS, VIDEO_FAMILIES, blocks_of, bound, build, reference_forward)
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan", "auraflow",
-            "zimage", "krea2")
+FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan",
+            "auraflow", "zimage", "krea2") + VIDEO_FAMILIES
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
@@ -22,11 +23,18 @@ def run(model, inputs):
     return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one latent per sample
 
 
+def training_loss(model, inputs):
+    """The mean squared output; LTX-2 returns (video, audio), both denoised, so both join the loss."""
+    out = model(**inputs)
+    parts = out if isinstance(out, tuple) else (out[0],)
+    return sum((torch.stack(p) if isinstance(p, list) else p).square().mean() for p in parts)  # Z-Image: a list
+
+
 def capture_image_output(name, block):
     seen = {}
 
     def hook(module, args, output):
-        seen["x"] = output if isinstance(output, torch.Tensor) else output[0 if name == "hunyuan" else 1]
+        seen["x"] = output if isinstance(output, torch.Tensor) else output[0 if name in IMAGE_FIRST else 1]
     return seen, block.register_forward_hook(hook)
 
 
@@ -59,12 +67,20 @@ SINGLE_STREAM_ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2
 @pytest.mark.parametrize("name,variant", [*((n, None) for n in FAMILIES), ("wan", "per_token_t"),
                                           ("ltx", "per_token_t"), ("auraflow", "single_stream"),
                                           ("flux2", "single_stream"), ("chroma", "single_stream"),
-                                          ("chroma", "text_mask"), ("hunyuan", "single_stream")])
+                                          ("chroma", "text_mask"), ("hunyuan", "single_stream"),
+                                          ("cosmos", "per_frame_t"), ("ltx2", "per_token_t"),
+                                          ("ltx2_split", "per_token_t"), ("ltx2", "self_mask")])
 def test_routed_forward_matches_hand_built_reference(name, variant):
     model, inputs, grid = build(name)
     n = math.prod(grid)
     if variant == "per_token_t":  # Wan 2.2 TI2V, LTX-Video's conditioning frames: a per-token embedding per block
         inputs["timestep"] = torch.randint(0, 1000, (B, n))
+        if "audio_hidden_states" in inputs:  # LTX-2's audio then needs its own
+            inputs["audio_timestep"] = torch.randint(0, 1000, (B,))
+    if variant == "self_mask":  # LTX-2's video self-attention mask (IC-LoRA), [B, N, N] in [0, 1]
+        inputs["video_self_attention_mask"] = (torch.rand(B, n, n) < 0.7).float().maximum(torch.eye(n))
+    if variant == "per_frame_t":  # Cosmos video-to-world: a timestep per frame [B, 1, F, 1, 1]
+        inputs["timestep"] = torch.rand(B, 1, grid[0], 1, 1)
     if variant == "text_mask":  # Chroma's mask over [text, image]: the second sample's last two text tokens are padding
         inputs["attention_mask"] = torch.ones(B, 5 + n, dtype=torch.bool)
         inputs["attention_mask"][1, 3:5] = False
@@ -93,11 +109,12 @@ def test_routed_forward_matches_hand_built_reference(name, variant):
 def rope_tables_seen(name, model):
     """Hooks on every block's self-attention that keep the RoPE table it is given, per block."""
     seen, hooks = {}, []
+    attention, argument = ROPE_ATTENTION.get(name, (None, "image_rotary_emb"))
     for i, block in enumerate(blocks_of(name, model)):
-        attn = block.attn1 if hasattr(block, "attn1") else block.attn
+        attn = getattr(block, attention) if attention else block.attn1 if hasattr(block, "attn1") else block.attn
 
         def hook(module, args, kwargs, i=i):
-            seen[i] = kwargs["image_rotary_emb"] if "image_rotary_emb" in kwargs else args[3]
+            seen[i] = kwargs[argument] if argument in kwargs else args[3]
         hooks.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
     return seen, hooks
 
@@ -115,17 +132,18 @@ def angles_match(name, table, full, keep, text):
         n = full.shape[0] - (table.shape[1] - k)
         return all(torch.equal(table[b, :k], full[keep[b]]) and torch.equal(table[b, k:], full[n:])
                    for b in range(keep.shape[0]))
-    if name == "hunyuan":  # the video's rows only, [B, K, 1, head_dim]
+    if name in ("hunyuan", "cosmos"):  # the video's rows only, [B, K, 1, head_dim]
         table = table[None, :, None, :]
         return all(torch.equal(table[b, :, 0], full[keep[b]]) for b in range(keep.shape[0]))
-    if name == "ltx":  # per sample already: [B, K, dim] from [B, N, dim]
+    if name in ("ltx", "ltx2"):  # per sample already: [B, K, dim] from [B, N, dim]
         return all(torch.equal(table[b], full[b, keep[b]]) for b in range(keep.shape[0]))
     return all(torch.equal(table[b, :, 0], full[0, keep[b], 0]) for b in range(keep.shape[0]))
 
 
 @pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
                                          ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3),
-                                         ("hunyuan", 1), ("hunyuan", 3), ("krea2", None)])
+                                         ("hunyuan", 1), ("hunyuan", 3), ("krea2", None), ("cosmos", 1), ("cosmos", 3),
+                                         ("ltx2", 1), ("ltx2", 3)])
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
@@ -153,7 +171,7 @@ def test_rope_each_kept_token_keeps_its_angles(name, frames):
 def input_grads(name, model, inputs):
     key = "x" if "x" in inputs else "hidden_states"  # Z-Image's latents are `x`
     x = inputs[key].clone().requires_grad_(True)
-    run(model, dict(inputs, **{key: x})).square().mean().backward()
+    training_loss(model, dict(inputs, **{key: x})).backward()
     return x.grad
 
 
@@ -168,7 +186,7 @@ def test_every_token_and_parameter_gets_a_gradient(name):
     model.zero_grad(set_to_none=True)
     handle = apply_tread(model, {"routes": [{"selection_ratio": 0.7, "start_layer_idx": 0, "end_layer_idx": -1}]})
     grad = input_grads(name, model, inputs)
-    per_position = grad.abs().sum(-1 if name in PACKED else 1)  # per token (FLUX) or per latent pixel
+    per_position = grad.abs().sum(-1 if name in PACKED + CHANNELS_LAST else 1)  # per token (FLUX) or per latent pixel
     assert (per_position > 0).all()
     assert handle.last_keep[0].shape[1] < per_position.flatten(1).shape[1]  # tokens were dropped
     unused = {n for n, p in model.named_parameters() if p.grad is None}
@@ -180,7 +198,8 @@ def test_lora_only_adapters_train(name):
     from peft import LoraConfig
 
     model, inputs, _ = build(name)
-    config = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v"])
+    config = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                        target_modules=LORA_TARGETS.get(name, ["to_q", "to_k", "to_v"]))
     if hasattr(model, "add_adapter"):
         model.add_adapter(config)
     else:  # PixArt has no PeftAdapterMixin: peft's own injection, base weights frozen by hand
@@ -194,7 +213,7 @@ def test_lora_only_adapters_train(name):
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=0.1)
-    run(model, inputs).square().mean().backward()
+    training_loss(model, inputs).backward()
     grads = {n for n, p in model.named_parameters() if p.grad is not None}
     assert grads and all("lora_" in n for n in grads)
     assert grads == {n for n, p in model.named_parameters() if p.requires_grad}
@@ -278,15 +297,15 @@ def test_masked_loss_weights_the_loss_by_the_mask():
     assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3", "zimage", "krea2"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3", "zimage", "krea2",
+                                  "cosmos", "kandinsky", "ltx2"])
 def test_negative_indices_count_from_the_last_block(name):
     model, inputs, _ = build(name)
-    blocks = blocks_of(name, model)
+    blocks, key = blocks_of(name, model), TOKENS.get(name, "hidden_states")
     handle = apply_tread(model, {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -1}]})
     lengths = {}
-    key = HIDDEN.get(name, "hidden_states")
-    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: lengths.__setitem__(i, bound(m, a, k)[key].shape[1]),
-                                         with_kwargs=True)
+    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: lengths.__setitem__(i, bound(m, a, k)[key]
+                                                                                .shape[1]), with_kwargs=True)
              for i, b in enumerate(blocks)]
     model.train()
     run(model, inputs)
@@ -336,7 +355,10 @@ def test_applied_twice_and_controlnet_residuals_are_refused():
                                                  ("flux2", "kv_cache_mode", "extract"),
                                                  ("chroma", "controlnet_block_samples", [torch.zeros(B, 24, 16)]),
                                                  ("qwen", "controlnet_block_samples", [torch.zeros(B, 24, 16)]),
-                                                 ("qwen", "img_shapes", [[(1, 24)]] * B)])
+                                                 ("qwen", "img_shapes", [[(1, 24)]] * B),
+                                                 ("cosmos", "block_controlnet_hidden_states",
+                                                  [torch.zeros(B, 24, 24)]),
+                                                 ("kandinsky", "sparse_params", {"to_fractal": False})])
 def test_unsupported_forward_arguments_are_refused_in_one_line(name, argument, value):
     model, inputs, _ = build(name)
     apply_tread(model, ROUTE)
@@ -382,3 +404,32 @@ def test_flux_force_keep_is_per_sample():
     keep = handle.last_keep[0]
     assert keep.shape == (B, 8)
     assert all(set(keep[b].tolist()) == set(mask[b].nonzero()[:, 0].tolist()) for b in range(B))
+
+
+@pytest.mark.parametrize("name,frames", [("kandinsky", 1), ("kandinsky", 3)])
+def test_rope_of_one_per_sample_table_each_kept_token_keeps_its_angles(name, frames):
+    """Families whose blocks get one RoPE tensor with a batch dimension (Kandinsky 5's rotation matrices
+    [B, N, 1, head_dim / 2, 2, 2]): a routed block's attention sees each sample's kept rows, in the kept order."""
+    model, inputs, _ = build(name, frames=frames)
+    attention, argument = ROPE_ATTENTION[name]
+    seen, hooks = {}, []
+    for i, block in enumerate(blocks_of(name, model)):
+        hooks.append(getattr(block, attention).register_forward_pre_hook(
+            lambda m, a, k, i=i: seen.__setitem__(i, k[argument]), with_kwargs=True))
+    model.eval()
+    with torch.no_grad():
+        run(model, inputs)
+    full = dict(seen)
+    handle = apply_tread(model, ROUTE)
+    model.train()
+    run(model, inputs)
+    keep, r = handle.last_keep[0], handle.routes[0]
+    shuffled = keep[:, torch.randperm(keep.shape[1])]
+    for i, table in seen.items():
+        if r.start_layer_idx <= i <= r.end_layer_idx:
+            kept_rows = [all(torch.equal(table[b], full[i][b, k[b]]) for b in range(B)) for k in (keep, shuffled)]
+            assert not torch.equal(keep[0], keep[1]) and kept_rows == [True, False]
+        else:
+            assert torch.equal(table, full[i])
+    for hook in hooks:
+        hook.remove()

@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
-from diffusers_tiny import build  # noqa: E402
+from backbones.diffusers_families import RELIES_ON  # noqa: E402
+from diffusers_tiny import VIDEO_FAMILIES, build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 2}]}
@@ -67,3 +68,27 @@ def test_a_renamed_block_parameter_is_refused_naming_it(monkeypatch):
                         rope: hidden_states)
     with pytest.raises(UserError, match=r"WanTransformer3DModel.blocks\[i\].forward has no parameter rotary_emb"):
         apply_tread(model, ROUTE)
+
+
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_each_block_parameter_the_family_reads_is_checked(monkeypatch, name):
+    """The tested version attaches silently; a block without a parameter RELIES_ON names is refused naming it."""
+    model, _, _ = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_tread(model, ROUTE).remove()
+    model_name = type(model).__name__
+    for part, needed in RELIES_ON[model_name].items():
+        if part == "forward":
+            continue
+        block_type = type(getattr(model, part)[0])
+        original = inspect.signature(block_type.forward)
+        for dropped in needed:
+            def forward(self, *args, **kwargs):
+                return args[0]
+            forward.__signature__ = original.replace(parameters=[p for n, p in original.parameters.items()
+                                                                 if n != dropped])
+            monkeypatch.setattr(block_type, "forward", forward)
+            with pytest.raises(UserError, match=rf"{model_name}.{part}\[i\].forward has no parameter {dropped},"):
+                apply_tread(model, ROUTE)
+            monkeypatch.undo()

@@ -76,8 +76,9 @@ def random_sd3(channels: int, width: int, heads: int, depth: int, text_dim: int,
 def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor, t: torch.Tensor) -> dict:
     """The forward keywords of noisy latents `x_t` at times `t` in [0, 1]: SD3 takes latents and t * 1000; FLUX,
     FLUX.2, Chroma and Qwen-Image packed tokens of a square-ish grid, with their position inputs, and t; LTX-Video
-    video latents as tokens; HunyuanVideo video latents; Z-Image one-frame latents; Krea2 packed tokens after the
-    text, with their positions."""
+    video latents as tokens (LTX-2 beside random audio tokens); HunyuanVideo and Cosmos video latents; Kandinsky 5
+    channels-last video latents; Z-Image one-frame latents; Krea2 packed tokens after the text, with their
+    positions."""
     name = type(model).__name__
     if name == "LTXVideoTransformer3DModel":  # video latents [B, C, F, H, W] as tokens (patch 1), t * 1000
         frames, rows, columns = x_t.shape[2:]
@@ -88,6 +89,19 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
         return dict(x=x_t[:, :, None], cap_feats=text, t=t)
     if name == "SD3Transformer2DModel":
         return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000)
+    if name == "LTX2VideoTransformer3DModel":  # video latents as tokens beside 16 random audio tokens, t * 1000
+        frames, rows, columns = x_t.shape[2:]
+        audio = torch.randn(len(t), 16, model.config.audio_in_channels, device=x_t.device)
+        return dict(hidden_states=x_t.flatten(2).transpose(1, 2), audio_hidden_states=audio,
+                    encoder_hidden_states=text, audio_encoder_hidden_states=text, timestep=t * 1000, sigma=t,
+                    num_frames=frames, height=rows, width=columns, audio_num_frames=audio.shape[1])
+    if name == "Kandinsky5Transformer3DModel":  # channels-last latents [B, F, H, W, C] as they are, t * 1000
+        frames, rows, columns = (size // p for size, p in zip(x_t.shape[1:4], model.config.patch_size))
+        return dict(hidden_states=x_t, encoder_hidden_states=text, timestep=t * 1000, pooled_projections=pooled,
+                    visual_rope_pos=tuple(torch.arange(n, device=x_t.device) for n in (frames, rows, columns)),
+                    text_rope_pos=torch.arange(text.shape[1], device=x_t.device))
+    if name == "CosmosTransformer3DModel":  # video latents [B, C, F, H, W] as they are, t
+        return dict(hidden_states=x_t, encoder_hidden_states=text, timestep=t)
     if name == "HunyuanVideoTransformer3DModel":  # video latents [B, C, F, H, W] as they are, t * 1000
         return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000,
                     encoder_attention_mask=text.new_ones(text.shape[:2]))
@@ -115,10 +129,11 @@ def flow_matching_loss(model, latents: torch.Tensor, text: torch.Tensor, pooled:
     t = torch.sigmoid(torch.randn(b, device=latents.device))
     noise = torch.randn_like(latents)
     x_t = (1 - t.view(-1, *[1] * (latents.ndim - 1))) * latents + t.view(-1, *[1] * (latents.ndim - 1)) * noise
-    pred = model(**model_inputs(model, x_t, text, pooled, t), return_dict=False)[0]
+    pred = model(**model_inputs(model, x_t, text, pooled, t), return_dict=False)
+    pred = pred if isinstance(pred, torch.Tensor) else pred[0]  # Kandinsky 5 returns the bare tensor
     if isinstance(pred, list):  # Z-Image: [C, 1, H, W] per sample
         pred = torch.stack(pred).reshape(latents.shape)
-    if pred.shape != latents.shape:  # tokens [B, N, C] of latents [B, C, *grid] (LTX-Video)
+    if pred.shape != latents.shape:  # tokens [B, N, C] of latents [B, C, *grid] (LTX-Video, LTX-2)
         pred = pred.transpose(1, 2).reshape(latents.shape)
     return (pred.float() - (noise - latents).float()).square().mean()
 
