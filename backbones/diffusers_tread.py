@@ -34,9 +34,10 @@ from typing import Optional
 
 import torch
 
-from backbones import diffusers_image_families, diffusers_video_families  # noqa: F401  (register their families)
 from backbones.diffusers_families import RELIES_ON, Family, family_of
+from backbones.diffusers_image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
+from backbones.diffusers_video_families import VIDEO_FAMILIES  # noqa: F401  (importing registers them)
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
 from tread_utils.errors import UserError
 

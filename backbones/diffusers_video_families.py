@@ -69,13 +69,14 @@ def _ltx2_narrow(kw: dict, keep: torch.Tensor) -> None:
         kw["self_attention_mask"] = gather_attention_mask(kw["self_attention_mask"], keep, "LTX-2")
 
 
-FAMILIES.update({
+VIDEO_FAMILIES = {
     "CosmosTransformer3DModel": Family(("transformer_blocks",), None, _cosmos_narrow, _latent_grid("patch_size", 3),
                                        ("block_controlnet_hidden_states",)),
     "Kandinsky5Transformer3DModel": Family(("visual_transformer_blocks",), None, _kandinsky_narrow, _kandinsky_grid,
                                            ("sparse_params",), tokens="visual_embed"),
     "LTX2VideoTransformer3DModel": Family(("transformer_blocks",), 0, _ltx2_narrow, _ltx_grid),
-})
+}
+FAMILIES.update(VIDEO_FAMILIES)
 
 RELIES_ON.update({
     "CosmosTransformer3DModel": {"forward": ("hidden_states", "timestep", "encoder_hidden_states",
