@@ -88,6 +88,10 @@ def _joint_narrow(kw: dict, keep: torch.Tensor) -> None:
         text = kw["hidden_states"].shape[1] - keep.shape[1]
     rope = kw.get("image_rotary_emb")
     positions = torch.cat([torch.arange(text, device=keep.device).expand(keep.shape[0], -1), text + keep], 1)
+    refs = kw["hidden_states"].shape[1] - keep.shape[1] if kw.get("encoder_hidden_states") is not None else 0
+    if refs:  # FLUX Kontext: the reference images' rows, last in the joint table, follow the kept target rows
+        rows = (rope[0].shape[0] if rope is not None else text + refs) - refs
+        positions = torch.cat([positions, torch.arange(rows, rows + refs, device=keep.device).expand(len(keep), -1)], 1)
     if rope is not None:
         kw["image_rotary_emb"] = tuple(SampleRope(table[positions.to(table.device)]) for table in rope)
     if kw.get("attention_mask") is not None:  # Chroma's [B, T + N]
@@ -186,12 +190,28 @@ def _latent_grid(patch_key: str, spatial: int) -> Callable:
 
 
 def _flux_grid(transformer, kw: dict) -> Tuple[int, ...]:
-    """Rows x columns of the packed image, read from img_ids (the latents are already tokens)."""
+    """Rows x columns of the packed target image, read from img_ids (the latents are already tokens)."""
     ids = kw.get("img_ids")
     if ids is None:
         return (kw["hidden_states"].shape[1],)
     ids = ids[0] if ids.ndim == 3 else ids
+    ids = ids[ids[:, 0] == 0]  # the target's; Kontext's reference images have another first coordinate
     return (int(ids[:, 1].unique().numel()), int(ids[:, 2].unique().numel()))
+
+
+def _flux_tail(transformer, kw: dict) -> int:
+    """FLUX Kontext's reference-image tokens: after the target's in hidden_states, told apart by img_ids' first
+    coordinate (0 for the target, as diffusers' FluxKontextPipeline builds them); never routed. Read from data, so
+    under torch.compile only a count given as `tread_reference_tokens` is seen (none: no reference tokens)."""
+    ids = kw.get("img_ids")
+    if ids is None or torch.compiler.is_compiling():
+        return 0
+    first = (ids[0] if ids.ndim == 3 else ids)[:, 0] != 0
+    refs = int(first.sum())
+    if refs and not bool(first[len(first) - refs:].all()):
+        raise UserError("TREAD reads FLUX Kontext's reference-image tokens as the last ones of hidden_states (img_ids' "
+                        "first coordinate not 0); put them after the target's tokens, as FluxKontextPipeline does")
+    return refs
 
 
 def _hunyuan_grid(transformer, kw: dict) -> Tuple[int, ...]:
@@ -236,7 +256,7 @@ def _no_lead(transformer, kw: dict) -> dict:
     return {}
 
 
-def _no_tail(transformer, kw: dict) -> int:
+def no_tail(transformer, kw: dict) -> int:
     return 0
 
 
@@ -259,7 +279,7 @@ class Family:
     refused: Tuple[str, ...] = ()  # forward arguments that add per-block residuals of the full length
     lead: Callable = _no_lead      # (transformer, forward kwargs) -> {block list: text tokens before the image}
     tensor_lists: Tuple[str, ...] = ()  # block lists whose output is the tensor itself, whatever out_index says
-    tail: Callable = _no_tail      # (transformer, forward kwargs) -> conditioning tokens after the image
+    tail: Callable = no_tail      # (transformer, forward kwargs) -> conditioning tokens after the image
     tokens: str = "hidden_states"  # the block argument that holds the routed tokens
 
     def image(self, output, kind: str):
@@ -278,7 +298,7 @@ FAMILIES = {
                                        _latent_grid("patch_size", 2)),
     "SD3Transformer2DModel": Family(("transformer_blocks",), 1, _no_narrow, _latent_grid("patch_size", 2),
                                     ("block_controlnet_hidden_states", "skip_layers")),
-    "FluxTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET),
+    "FluxTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, tail=_flux_tail),
     "Flux2Transformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, ("kv_cache", "kv_cache_mode"),
                                       lead=_text_lead, tensor_lists=("single_transformer_blocks",)),
     "ChromaTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, lead=_text_lead,

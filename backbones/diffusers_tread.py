@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from backbones.diffusers_families import RELIES_ON, Family, family_of
+from backbones.diffusers_families import RELIES_ON, Family, family_of, no_tail
 from backbones.diffusers_image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from backbones.diffusers_video_families import VIDEO_FAMILIES  # noqa: F401  (importing registers them)
@@ -153,6 +153,7 @@ class TreadHandle:
 
     def _before_model(self, module, args, kwargs):
         mask = kwargs.pop("tread_mask", None)
+        references = kwargs.pop("tread_reference_tokens", None)
         mask = self.mask if mask is None else read_mask(mask)
         self._live, self._force_keep = {}, None
         self._on = module.training and torch.is_grad_enabled() and any(r.selection_ratio > 0 for r in self.routes)
@@ -168,13 +169,24 @@ class TreadHandle:
             if kw.get(name) is not None:
                 raise UserError(f"TREAD cannot route a {type(module).__name__} forward given {name}; train "
                                 f"without it, or call handle.remove() first")
-        self._lead, self._tail = self.family.lead(module, kw), self.family.tail(module, kw)
+        self._lead, self._tail = self.family.lead(module, kw), self._references(module, kw, references)
         self._grid = None if mask is None else self.family.grid(module, kw)  # FLUX reads it from data: no trace
         self._pending_mask = mask
         return args, kwargs
 
     def _after_model(self, module, args, output):
         self._live, self._pending_mask = {}, None
+
+    def _references(self, module, kw: dict, given) -> int:
+        """Reference-image tokens after the target's: `tread_reference_tokens` where given, else the family's."""
+        if given is None:
+            return self.family.tail(module, kw)
+        total = kw["hidden_states"].shape[1]
+        counts = isinstance(given, int) and not isinstance(given, bool) and 0 <= given < total
+        if self.family.tail is no_tail or not counts:
+            raise UserError(f"tread_reference_tokens={given!r}: give the number of reference-image tokens after the "
+                            f"target's (an int from 0 to {total - 1}), to a FLUX (Kontext) or Qwen-Image forward")
+        return given
 
     # -- the block-level hooks -------------------------------------------------------------------------
     def _select(self, route, x: torch.Tensor) -> torch.Tensor:

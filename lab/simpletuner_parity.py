@@ -1,23 +1,28 @@
-"""Parity with SimpleTuner's TREAD router (simpletuner/helpers/training/tread.py): the kept count and force-keep.
+"""Parity with SimpleTuner's TREAD: its router's kept counts, and its own transformer files run beside ours.
 
-    python -m lab.simpletuner_parity --simpletuner-code DIR [--out LOG]
+    python -m lab.simpletuner_parity --simpletuner DIR [--out LOG] [--families flux,sd3,...]
     TREAD_SIMPLETUNER=DIR python -m pytest tests/test_simpletuner_parity.py
 
-DIR is a SimpleTuner checkout or its installed package (PyPI `simpletuner`). Its router file imports only torch
-and is loaded from DIR at run time, never copied (SimpleTuner is AGPL). For every (N, ratio) pair of a grid,
-both routers choose tokens for the same batch: `apply_tread(..., kept_count="simpletuner")` must keep as many
-tokens as SimpleTuner's `TREADRouter.get_mask`, with and without a force-keep mask, and keep every forced
-token; the pairs where the authors' count differs are reported. Family outputs are not compared here.
+DIR is a SimpleTuner checkout or its installed package (PyPI `simpletuner`), imported from DIR at run time, never
+copied (SimpleTuner is AGPL). Two comparisons:
+- the router (simpletuner/helpers/training/tread.py): for every (N, ratio) pair of a grid, both choose tokens for the
+  same batch: `apply_tread(..., kept_count="simpletuner")` must keep as many tokens as `TREADRouter.get_mask`, with
+  and without a force-keep mask, and keep every forced token; the pairs where the authors' count differs are listed;
+- the transformers (lab/simpletuner_models.py): per family both route, the same tiny model on both sides fed the same
+  kept tokens over several route layouts: outputs, input gradients, kept counts and the blocks each side routes,
+  and SimpleTuner's --tread_config strings against `routes_from_config`. Where SimpleTuner fails, its error is logged.
 """
 import argparse
 import hashlib
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from backbones.diffusers_tread import TreadHandle
+from lab.simpletuner_models import FAMILIES, NOT_COMPARED, STUBS, WHY_IT_FAILS, compare_configs, compare_family
 from routing_module import num_kept
 from tread_utils.errors import UserError, report_user_errors
 
@@ -81,9 +86,62 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def version_of(code_dir) -> str:
+    """The checkout's commit, or the installed package's version."""
+    git = subprocess.run(["git", "-C", str(code_dir), "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True)
+    if git.returncode == 0:
+        return f"commit {git.stdout.strip()}"
+    init = next((p for p in (Path(code_dir) / "simpletuner" / "__init__.py", Path(code_dir) / "__init__.py")
+                 if p.is_file()), None)
+    version = [line for line in init.read_text().splitlines() if line.startswith("__version__")] if init else []
+    return version[0] if version else "version unknown"
+
+
+def file_hash(code_dir, relative: str) -> str:
+    root = Path(code_dir) if (Path(code_dir) / "simpletuner").is_dir() else Path(code_dir).parent
+    return hashlib.sha256((root / relative).read_bytes()).hexdigest()[:16]
+
+
+def report_family(result: dict, code_dir) -> list:
+    lines = [f"{result['family']}: {result['file']} sha256 {file_hash(code_dir, result['file'])}; unrouted "
+             f"difference output {result['baseline'][0]:.2g}, gradients {result['baseline'][1]:.2g} (tolerance "
+             f"{result['tolerance'][0]:.2g} / {result['tolerance'][1]:.2g})"
+             + (f"; config keys SimpleTuner's class does not take: {sorted(result['dropped'])}" if result["dropped"]
+                else "")]
+    for r in result["rows"]:
+        if r["error"]:
+            lines.append(f"  {r['layout']:42s} SimpleTuner fails: {r['error']}; ours routes blocks {r['blocks'][0]}")
+            continue
+        lines.append(f"  {r['layout']:42s} output {r['diff'][0]:.2g}  gradients {r['diff'][1]:.2g}  kept "
+                     f"{[c[0] for c in r['counts']]} / {[c[1] for c in r['counts']]}  blocks {r['blocks'][0]} / "
+                     f"{r['blocks'][1]}  {'same' if r['same'] else 'DIFFERENT'}")
+    if any(r["error"] for r in result["rows"]):
+        lines.append(f"  SimpleTuner fails because {WHY_IT_FAILS.get(result['family'], 'of an error not read yet')}; "
+                     f"ours routes there, as the paper's rule asks")
+    return lines
+
+
+def compare_transformers(code_dir, families) -> tuple:
+    """The log lines of every family and the config strings, and whether everything SimpleTuner runs agrees."""
+    lines, agree = [], True
+    for name in families:
+        result = compare_family(name, code_dir)
+        lines += report_family(result, code_dir)
+        agree &= all(r["same"] for r in result["rows"] if not r["error"])
+    lines += [f"{name}: not compared: {why}" for name, why in NOT_COMPARED.items()]
+    lines.append("config strings (SimpleTuner reads them with ast.literal_eval; blocks routed, ours / SimpleTuner's "
+                 "FLUX of 2 + 2 blocks):")
+    for row in compare_configs(code_dir):
+        lines.append(f"  {row['config']}\n    ours {row['ours']} / SimpleTuner {row['theirs']}")
+    return lines, agree
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--simpletuner-code", required=True, help="a SimpleTuner checkout or installed package")
+    parser.add_argument("--simpletuner", "--simpletuner-code", dest="simpletuner", required=True,
+                        help="a SimpleTuner checkout or its installed package directory")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help=f"comma-separated transformer families to run (default all: {','.join(FAMILIES)})")
     parser.add_argument("--out", help="also write the log here")
     return parser
 
@@ -91,13 +149,23 @@ def build_parser() -> argparse.ArgumentParser:
 @report_user_errors
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    router_cls, source = load_router(args.simpletuner_code)
+    families = [f for f in args.families.split(",") if f]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise UserError(f"--families {','.join(unknown)}: unknown; choose from {','.join(FAMILIES)}")
+    router_cls, source = load_router(args.simpletuner)
     result = compare(router_cls)
-    text = f"SimpleTuner router: {source}\n" + report(result)
+    lines, agree = compare_transformers(args.simpletuner, families)
+    stubs = ", ".join(f"{m} ({', '.join(n)})" for m, n in STUBS.items())
+    import diffusers
+    text = "\n".join([f"SimpleTuner {version_of(args.simpletuner)}; router: {source}; diffusers "
+                      f"{diffusers.__version__}, torch {torch.__version__}", report(result), "",
+                      f"transformers, same kept tokens on both sides (modules stubbed when not installed: {stubs})",
+                      *lines])
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    if not result["same"]:
+    if not (result["same"] and agree):
         sys.exit(1)
 
 

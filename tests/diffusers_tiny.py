@@ -209,8 +209,9 @@ def narrow_by_hand(name, kw, keep, lead, tail):
             kw["modulate_index"] = per_sample(lambda b: torch.cat([index[b, keep[b]], index[b, n:]]))
     if name in JOINT_ROPE:  # the joint sequence's rows: the text, then the kept image tokens
         text = kw["encoder_hidden_states"].shape[1] if kw.get("encoder_hidden_states") is not None else lead
-        kw["image_rotary_emb"] = tuple(HandRope(per_sample(lambda b: torch.cat([t[:text], t[text:][keep[b]]])))
-                                       for t in kw["image_rotary_emb"])
+        kw["image_rotary_emb"] = tuple(HandRope(per_sample(lambda b: torch.cat([t[:text], t[text:len(t) - tail][keep[b]],
+                                                                                t[len(t) - tail:]])))
+                                       for t in kw["image_rotary_emb"])  # FLUX Kontext's reference rows last
         if name == "krea2":  # its [B, 1, 1, text + N] mask
             mask = kw["attention_mask"]
             kw["attention_mask"] = per_sample(lambda b: torch.cat([mask[b][..., :text],

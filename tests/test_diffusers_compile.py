@@ -11,7 +11,8 @@ from backbones import apply_tread  # noqa: E402
 from diffusers_tiny import build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow", "zimage", "krea2", "cosmos", "kandinsky", "ltx2")
+FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow", "flux2", "chroma", "qwen", "ltx", "hunyuan", "zimage", "krea2",
+            "cosmos", "kandinsky", "ltx2")
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
 
 

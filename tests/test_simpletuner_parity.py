@@ -1,4 +1,5 @@
-"""Parity with SimpleTuner's TREAD router (lab/simpletuner_parity.py); runs when TREAD_SIMPLETUNER names a
+"""Parity with SimpleTuner's TREAD (lab/simpletuner_parity.py, lab/simpletuner_models.py): its router's kept counts,
+and its own transformer files fed the same kept tokens as apply_tread; runs when TREAD_SIMPLETUNER names a
 SimpleTuner checkout or installed package."""
 import os
 
@@ -20,9 +21,51 @@ def test_simpletuner_kept_counts_match_theirs_with_and_without_force_keep():
     assert result["authors_differ"] > 0  # the option matters: the default count is not theirs
 
 
+@needs_simpletuner
+@pytest.mark.parametrize("name", ["flux", "sd3", "pixart", "auraflow", "wan"])
+def test_simpletuner_transformer_gives_our_outputs_and_gradients_on_the_same_kept_tokens(name):
+    from lab.simpletuner_models import LAYOUTS, compare_family
+
+    result = compare_family(name, SIMPLETUNER)
+    rows = {r["layout"]: r for r in result["rows"]}
+    for layout in LAYOUTS:  # every layout runs on their side and agrees: values, counts, routed blocks
+        row = rows[layout]
+        assert row["error"] is None and row["same"], row
+        assert row["diff"][0] <= result["tolerance"][0] and row["diff"][1] <= result["tolerance"][1]
+        assert row["blocks"][0] == row["blocks"][1] and row["blocks"][0], row["blocks"]
+    assert rows["two routes 0..0, 2..3"]["blocks"][0] == [0, 2, 3]
+    assert rows["negative -3..-2"]["blocks"][0] == [1, 2]
+    if name == "flux":  # per-sample masks: the same where SimpleTuner runs; it fails starting in a single block
+        assert rows["across lists 1..2, per-sample mask"]["same"] and rows["first list 0..1, per-sample mask"]["same"]
+        assert rows["second list 2..3, per-sample mask"]["error"] and rows["second list 2..3, per-sample mask"][
+            "blocks"][0] == [2, 3]
+    if name == "wan":  # per-token timesteps: SimpleTuner fails, we route
+        assert rows["across lists 1..2, per-token timesteps"]["error"]
+        assert rows["across lists 1..2, per-token timesteps"]["blocks"][0] == [1, 2]
+
+
+@needs_simpletuner
+def test_simpletuner_config_strings_route_the_same_blocks_and_we_refuse_what_they_ignore():
+    from lab.simpletuner_models import compare_configs
+
+    rows = compare_configs(SIMPLETUNER)
+    accepted = [r for r in rows if not isinstance(r["ours"], str)]
+    assert len(accepted) == 2 and all(r["ours"] == r["theirs"] and r["ours"] for r in accepted)
+    refused = [r for r in rows if isinstance(r["ours"], str)]  # a float index, a boolean ratio: they route nothing
+    assert len(refused) == 2 and all(r["theirs"] == [] and r["ours"].startswith("refused: route 0") for r in refused)
+
+
 def test_a_missing_simpletuner_directory_is_refused_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--simpletuner-code", str(tmp_path)])
+        main(["--simpletuner", str(tmp_path)])
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip()
     assert "no simpletuner/helpers/training/tread.py" in err and "\n" not in err
+
+
+def test_an_unknown_family_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--simpletuner", str(tmp_path), "--families", "flux,sdxl"])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert "--families sdxl: unknown" in err and "\n" not in err
