@@ -19,9 +19,10 @@ FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video, Hunyuan
         --out docs/perf/diffusers_kandinsky_cpu.json
     python -m lab.bench_diffusers --archs ltx2 --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_ltx2_cpu.json
+    python -m lab.bench_diffusers --archs flux --lora-int8 --rounds 4 --out docs/perf/diffusers_flux_int8_lora_cpu.json
 
-A step is the flow-matching loss forward, backward and an AdamW step over all weights, on random latents and
-text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
+A step is the flow-matching loss forward, backward and an AdamW step over all weights (with --lora-int8: over
+the LoRA adapters of an int8 base), on random latents and text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
 the same load on a shared machine, and the medians are compared: speed-up = unrouted / routed, bound =
 FLOPs unrouted / FLOPs routed, and their ratio (1.0: routing saves all the time its FLOPs promise). The route
 is SimpleTuner's balanced one, {selection_ratio 0.5, start 2, end -2}. The record notes the machine's load.
@@ -137,6 +138,19 @@ def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: 
     return model, lambda: (make(), torch.randn(batch, text_len, text_dim), torch.randn(batch, text_dim))
 
 
+def quantized_lora(model, rank: int = 16) -> None:
+    """A quantized fine-tune, as SimpleTuner users run one: the blocks' Linear weights stored as torchao int8
+    weight-only and frozen, LoRA adapters (peft) on the attention projections training."""
+    from peft import LoraConfig
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    in_blocks = lambda module, name: isinstance(module, torch.nn.Linear) and "blocks" in name  # noqa: E731
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=in_blocks)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                 target_modules=["to_q", "to_k", "to_v"]))
+
+
 def to_markdown(record: dict) -> str:
     lines = [f"Command: `{record['command']}`", "",
              f"Machine: {record['machine']}", "",
@@ -161,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=2, help="steps per timed block")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared CPU)")
+    p.add_argument("--lora-int8", action="store_true",
+                   help="train LoRA adapters on a torchao int8 weight-only base (needs torchao, peft)")
     p.add_argument("--out", default=None, help="JSON record (a .md table beside it)")
     return p
 
@@ -173,7 +189,9 @@ def main(argv=None):
     for arch in args.archs:
         model, batch = model_and_batch(arch, args.width, args.depth, args.tokens_side, args.batch_size,
                                        frames=args.frames)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if args.lora_int8:
+            quantized_lora(model)
+        optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
         result = routed_vs_unrouted(model, ROUTES, batch, optimizer, rounds=args.rounds, steps=args.steps)
         rows.append(dict(arch=arch, params_m=sum(q.numel() for q in model.parameters()) / 1e6, blocks=args.depth,
                          tokens=args.tokens_side ** 2 * (args.frames if arch in VIDEO else 1), batch=args.batch_size,

@@ -58,3 +58,14 @@ def test_bench_runs_cosmos_kandinsky_and_ltx2(tmp_path):
     assert [(r["arch"], r["tokens"]) for r in record["rows"]] == [("cosmos", 32), ("kandinsky", 32), ("ltx2", 32)]
     for row in record["rows"]:
         assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0
+
+
+def test_bench_times_a_lora_step_on_an_int8_base(tmp_path):
+    """--lora-int8: the base quantized by torchao and frozen, the adapters the only weights the optimizer steps."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "bench.json"
+    bench_diffusers.main(["--archs", "flux", "--lora-int8", "--width", "64", "--depth", "4", "--tokens-side", "4",
+                          "--batch-size", "2", "--rounds", "1", "--steps", "1",
+                          "--threads", str(torch.get_num_threads()), "--out", str(out)])
+    row, = json.loads(out.read_text())["rows"]
+    assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0
