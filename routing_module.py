@@ -2,7 +2,7 @@
 routes with (`select_kept_tokens` before a route's first block, `start_route`, `end_route` after its last;
 dit.DiT.forward, and the diffusers hooks of backbones/diffusers_tread.py) and `TokenRouter`, which says which
 routes a forward pass runs and at what ratio. A route itself (`Route`, its `Schedule`) is declared in
-route_spec.py, torch-free, and re-exported here.
+tread_utils/route_spec.py, torch-free, and re-exported here.
 
 A route `start -> end` takes a random subset of tokens out of the sequence before block `start` and
 puts them back, unchanged, after block `end` (inclusive). Only the kept tokens pass through the
@@ -45,7 +45,7 @@ from typing import Annotated, Optional, Sequence, get_args, get_origin
 import torch
 import torch.nn as nn
 
-from route_spec import Route, RouteError, Schedule, is_number, place_routes  # noqa: F401  (the spec, re-exported)
+from tread_utils.route_spec import Route, RouteError, Schedule, is_number, place_routes  # noqa: F401  (the spec, re-exported)
 
 
 # ---- selection rules: fn(x [B, N, D], generator or None, **options) -> scores [B, N]; the highest are kept ----
@@ -112,7 +112,7 @@ def check_selection(rule, options, name: str) -> dict:
 
 
 def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
-    """Routes from the config (or `Route`s) placed in a model of `depth` blocks (route_spec.place_routes: negative
+    """Routes from the config (or `Route`s) placed in a model of `depth` blocks (tread_utils.route_spec.place_routes: negative
     indices as block numbers, in order, without overlap), each with its selection rule and options checked against
     the rule's signature."""
     placed = place_routes(routes, depth)

@@ -204,9 +204,9 @@ def test_names_the_schema_allows_are_the_registries(monkeypatch):
 
 
 def test_the_routes_node_is_the_route_itself():
-    """model.params.routes is typed by route_spec.Route, no copy: the command line's keys land on its fields, a
+    """model.params.routes is typed by tread_utils.route_spec.Route, no copy: the command line's keys land on its fields, a
     misspelt one is refused while composing, and the composed routes become `Route`s that checked themselves."""
-    from route_spec import Route, RouteError
+    from tread_utils.route_spec import Route, RouteError
 
     cfg = compose_train("model=tread", "model.params.routes.0.selection=importance",
                         "model.params.routes.0.importance_mix=0.3", "model.params.routes.0.end_layer_idx=-2",
@@ -224,7 +224,7 @@ def test_the_routes_node_is_the_route_itself():
 
 
 def test_a_route_checks_itself_when_built_and_stays_as_built():
-    from route_spec import Route, RouteError, Schedule
+    from tread_utils.route_spec import Route, RouteError, Schedule
 
     for kwargs, message in ((dict(selection_ratio=1.5), r"selection_ratio must be in \[0, 1\)"),
                             (dict(path_drop_prob=-0.1), r"path_drop_prob must be in \[0, 1\)"),

@@ -4,7 +4,7 @@ import textwrap
 from conftest import REPO
 from tools import import_layers
 
-ROOT_MODULES = {"train.py", "sample.py", "fid.py", "dit.py", "routing_module.py", "route_spec.py"}
+ROOT_MODULES = {"train.py", "sample.py", "fid.py", "dit.py", "routing_module.py"}
 
 
 def test_root_holds_only_the_design_card_modules():

@@ -266,7 +266,7 @@ def test_a_route_value_is_never_converted_into_another(spec, message):
 
 
 def test_a_route_built_in_python_with_negative_indices_is_placed_by_the_model():
-    from route_spec import Route
+    from tread_utils.route_spec import Route
 
     model = small_model([Route(1, -3, 0.5)])
     assert model.router.routes[0].end_layer_idx == 3

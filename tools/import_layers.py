@@ -15,7 +15,6 @@ REPO = Path(__file__).resolve().parent.parent
 # unit (its file name without .py), a package is the unit of every module in it.
 LAYERS = [
     ["tread_utils"],
-    ["route_spec"],
     ["routing_module"],
     ["backbones", "edm", "rectified_flow", "data"],
     ["dit", "evaluations"],

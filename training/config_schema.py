@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional, Union
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from route_spec import Route
+from tread_utils.route_spec import Route
 
 
 @dataclass(frozen=True)
