@@ -315,7 +315,7 @@ def _replaying(checkpoint_func):
 def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: str = "half",
                 kept_count: str = "authors", **options) -> TreadHandle:
     """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
-    HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5 or LTX-2 transformer; returns the handle.
+    HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5, LTX-2 or Lumina2 transformer; returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
     `mask_rule` makes a mask image into tokens ("half" or "any", backbones/diffusers_masks.py); `kept_count`
     is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""

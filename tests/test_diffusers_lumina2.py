@@ -3,6 +3,7 @@ per-sample offset: the checks every family gets (tests/test_diffusers_tread.py's
 ones its layout needs (a reference built sample by sample, its RoPE rows and mask, caption and padding kept whole,
 torch.compile, the structural check of its forward)."""
 import inspect
+import json
 import math
 import warnings
 
@@ -16,6 +17,7 @@ pytest.importorskip("diffusers")
 import test_diffusers_tread as shared  # noqa: E402
 import test_diffusers_versions as versions  # noqa: E402
 from backbones import apply_tread  # noqa: E402
+from lab import bench_diffusers  # noqa: E402
 from diffusers_tiny import B, bound, build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
@@ -206,3 +208,15 @@ def test_a_forward_without_what_routing_reads_is_refused_naming_it(monkeypatch, 
         with pytest.raises(UserError, match=rf"Lumina2Transformer2DModel.forward has no parameter {dropped},") as err:
             apply_tread(model, ROUTE)
     assert "\n" not in str(err.value) and not model._forward_pre_hooks
+
+
+def test_bench_runs_lumina2_with_padded_captions(tmp_path):
+    """lab/bench_diffusers.py on a tiny Lumina2 (its inputs: captions of two lengths, so a padded, masked batch):
+    the routed step needs fewer FLOPs."""
+    out = tmp_path / "bench.json"
+    bench_diffusers.main(["--archs", "lumina2", "--width", "64", "--depth", "4", "--tokens-side", "4",
+                          "--batch-size", "2", "--rounds", "1", "--steps", "1",
+                          "--threads", str(torch.get_num_threads()), "--out", str(out)])
+    row, = json.loads(out.read_text())["rows"]
+    assert (row["arch"], row["tokens"]) == ("lumina2", 16)
+    assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0
