@@ -160,22 +160,23 @@ def test_compiles_into_the_unrouted_graphs():
     def steps(seeds, handle=None):
         torch._dynamo.reset()
         counters["graph_break"].clear()
-        counter, kept = CompileCounter(), []
+        counter, kept, graphs = CompileCounter(), [], []
         compiled = torch.compile(model, backend=counter)
         for seed in seeds:
             torch.manual_seed(seed)
             out = compiled(**inputs)[0]
             out.square().mean().backward()
+            graphs.append(counter.frame_count)
             if handle is not None:
                 kept.append(handle.last_keep[0].clone())
                 torch.manual_seed(seed)
                 assert torch.equal(model(**inputs)[0], out)  # the eager routed forward, same draw
-        return counter.frame_count, sum(counters["graph_break"].values()), kept
+        return graphs, sum(counters["graph_break"].values()), kept
 
     unrouted = steps([0, 1, 2])[:2]
     handle = apply_tread(model, ROUTE)
     graphs, breaks, kept = steps([0, 1, 2], handle)
-    assert (graphs, breaks) == unrouted
+    assert (graphs, breaks) == unrouted and len(set(graphs)) == 1  # no recompile after the first call
     assert not torch.equal(kept[0], kept[1])
 
 
@@ -192,6 +193,20 @@ def test_lumina_next_is_refused_in_one_line():
 
 def test_each_block_parameter_the_family_reads_is_checked(monkeypatch):
     versions.test_each_block_parameter_the_family_reads_is_checked(monkeypatch, "lumina2")
+
+
+def test_an_untested_version_warns_in_one_line_and_routes(monkeypatch):
+    import diffusers
+
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0")
+    model, inputs, grid = build("lumina2")
+    with pytest.warns(UserWarning, match="diffusers 0.43.0 passes the structural check of Lumina2Transformer2DModel "
+                                         "but is untested") as seen:
+        handle = apply_tread(model, ROUTE)
+    assert len(seen) == 1 and "\n" not in str(seen[0].message)
+    model.train()
+    model(**inputs)
+    assert handle.last_keep[0].shape == (B, math.prod(grid) // 2)
 
 
 @pytest.mark.parametrize("dropped", ["encoder_attention_mask", "hidden_states"])
