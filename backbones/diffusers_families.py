@@ -44,7 +44,7 @@ text travels in `encoder_hidden_states`, or before the image in the single-strea
   [B, N, 6, D]) is gathered with the tokens.
 """
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -76,6 +76,31 @@ class SampleRope:
             return self.table[:, None]
         raise TypeError(f"a per-sample RoPE table of a routed block was indexed by {index!r}, which TREAD does "
                         f"not know how to serve; call handle.remove() and report the diffusers version")
+
+
+class SampleLead(NamedTuple):
+    """Text tokens before the image whose number varies per sample (Lumina2: each caption as long as its own, the
+    image, then padding to the batch's longest): sample b's `tokens` image tokens follow its text[b].sum() text
+    tokens in a block's sequence, and every other token (the text before them, the padding after) is never routed.
+    The sum is taken where a block needs it: in the model's forward hook it would make a graph of its own under
+    torch.compile (Lumina2's forward breaks the graph before its blocks)."""
+    text: torch.Tensor  # [B, T] each sample's text mask
+    tokens: int
+
+    def offsets(self, device) -> torch.Tensor:
+        return self.text.to(device).sum(1).long()
+
+
+def splice(x: torch.Tensor, start: torch.Tensor, count: int, part: torch.Tensor) -> torch.Tensor:
+    """Per sample b, x[b] [L, ...] with its `count` tokens from `start[b]` replaced by part[b] [P, ...] (P may differ
+    from count): the tokens before and after them keep their order. One gather, so it traces without a break."""
+    length, size = x.shape[1] - count + part.shape[1], part.shape[1]
+    j = torch.arange(length, device=x.device)[None]
+    rel = j - start.to(x.device)[:, None]
+    index = torch.where(rel < 0, j, j + (count - size))  # before the part: as it was; after it: shifted
+    index = torch.where((rel >= 0) & (rel < size), x.shape[1] + rel, index)  # the part, after x in the cat
+    index = index.view(*index.shape, *[1] * (x.ndim - 2)).expand(-1, -1, *x.shape[2:])
+    return torch.cat([x, part.to(x.dtype)], 1).gather(1, index)
 
 
 def _joint_narrow(kw: dict, keep: torch.Tensor) -> None:

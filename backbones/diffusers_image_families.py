@@ -14,10 +14,19 @@ docstring says what a family entry holds); the hooks in backbones/diffusers_trea
   over the joint sequence has no batch dimension, and its attention mask [B, 1, 1, T + N] masks padded text:
   both are cut as FLUX's single-stream blocks' are (`_joint_narrow`). The modulation [B, 1, 6 * D] is one per
   sample.
+- Lumina2 (`layers`; the refiners `noise_refiner` (image alone) and `context_refiner` (caption alone) run before
+  the route, whole): a single stream whose block argument is `hidden_states`, per sample [its caption, the N image
+  tokens, padding to the batch's longest], the caption as long as the ones of its `encoder_attention_mask`. So the
+  image starts at a per-sample offset (`SampleLead`), and only those N tokens are routed; the caption and the
+  padding pass every block whole. The RoPE table `image_rotary_emb` is complex, per sample, [B, L, head_dim / 2],
+  and the attention mask [B, L] (present when the captions differ in length) marks each sample's caption and
+  image: both are cut at each sample's routed positions (caption, kept image tokens, padding). The modulation
+  `temb` [B, D] is one per sample.
 """
 import torch
 
-from backbones.diffusers_families import FAMILIES, RELIES_ON, Family, _joint_narrow, gather_attention_mask
+from backbones.diffusers_families import (FAMILIES, RELIES_ON, Family, SampleLead, _joint_narrow, _latent_grid,
+                                          gather_attention_mask, splice)
 from tread_utils.errors import UserError
 
 ZIMAGE_PATCH = 2, 1  # ZImageTransformer2DModel.forward's default patch_size and f_patch_size
@@ -84,11 +93,35 @@ def _krea2_grid(transformer, kw: dict) -> tuple:
     return (int(ids[:, 1].unique().numel()), int(ids[:, 2].unique().numel()))
 
 
+def _lumina2_lead(transformer, kw: dict) -> dict:
+    """Each sample's caption length (the ones of its mask, as diffusers counts them), before its image tokens."""
+    p = transformer.config.patch_size
+    rows, columns = (size // p for size in kw["hidden_states"].shape[-2:])
+    return {"layers": SampleLead(kw["encoder_attention_mask"], rows * columns)}
+
+
+def _lumina2_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """The per-sample complex RoPE [B, L, head_dim / 2] and attention mask [B, L] at each sample's routed positions:
+    its caption, its kept image tokens, its padding. The caption lengths are read back from the mask (it marks
+    caption and image); without one every caption has the same length."""
+    freqs, mask = kw["image_rotary_emb"], kw.get("attention_mask")
+    length = freqs.shape[1]
+    n = length - kw["hidden_states"].shape[1] + keep.shape[1]  # the image tokens before the cut
+    caption = mask.sum(1) - n if mask is not None else keep.new_full((keep.shape[0],), length - n)
+    positions = splice(torch.arange(length, device=keep.device).expand(keep.shape[0], -1), caption, n,
+                       caption.to(keep.device)[:, None] + keep)
+    kw["image_rotary_emb"] = freqs.gather(1, positions.to(freqs.device)[..., None].expand(-1, -1, freqs.shape[-1]))
+    if mask is not None:
+        kw["attention_mask"] = gather_attention_mask(mask, positions, "Lumina2")
+
+
 IMAGE_FAMILIES = {
     "ZImageTransformer2DModel": Family(("layers",), None, _zimage_narrow, _zimage_grid,
                                        ("controlnet_block_samples", "siglip_feats", "image_noise_mask"),
                                        tail=_zimage_tail, tokens="x"),
     "Krea2Transformer2DModel": Family(("transformer_blocks",), None, _joint_narrow, _krea2_grid, lead=_krea2_lead),
+    "Lumina2Transformer2DModel": Family(("layers",), None, _lumina2_narrow, _latent_grid("patch_size", 2),
+                                        lead=_lumina2_lead),
 }
 FAMILIES.update(IMAGE_FAMILIES)
 RELIES_ON.update({
@@ -97,4 +130,6 @@ RELIES_ON.update({
                                  "layers": ("x", "attn_mask", "freqs_cis", "noise_mask")},
     "Krea2Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "position_ids"),
                                 "transformer_blocks": ("hidden_states", "temb", "image_rotary_emb", "attention_mask")},
+    "Lumina2Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "encoder_attention_mask"),
+                                  "layers": ("hidden_states", "attention_mask", "image_rotary_emb", "temb")},
 })

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from backbones.diffusers_families import RELIES_ON, Family, family_of, no_tail
+from backbones.diffusers_families import RELIES_ON, Family, SampleLead, family_of, no_tail, splice
 from backbones.diffusers_image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from backbones.diffusers_video_families import VIDEO_FAMILIES  # noqa: F401  (importing registers them)
@@ -128,7 +128,7 @@ class TreadHandle:
         self.mask: Optional[torch.Tensor] = None
         self.last_keep: dict = {}
         self._on, self._force_keep, self._pending_mask, self._grid, self._live = False, None, None, None, {}
-        self._lead: dict = {}  # block list -> leading text tokens in its hidden_states (this forward)
+        self._lead: dict = {}  # block list -> text tokens before the image (a SampleLead: per sample), this forward
         self._tail = 0  # conditioning tokens after the image in every block's hidden_states (this forward)
         self._names = positional_names(transformer)
         blocks = [(name, block) for name in family.block_lists for block in getattr(transformer, name)]
@@ -219,14 +219,14 @@ class TreadHandle:
         def hook(module, args, kwargs):
             record = _RECORD.get()
             lead, tail = self._span_of(kind, record)
+            image = None  # the image tokens, cut once: a recomputation must save what its forward saved
             if record is not None and "ctx" in record:  # backward recomputes a checkpointed block
                 ctx = record["ctx"]
             elif not self._on:
                 ctx = None
             elif is_start:
-                x = bound_kwargs(names, args, kwargs)[self.family.tokens]
-                x = x[:, lead:x.shape[1] - tail]
-                ctx = (self._select(route, x), x)
+                image = _image_of(bound_kwargs(names, args, kwargs)[self.family.tokens], lead, tail)
+                ctx = (self._select(route, image), image)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
             else:
                 ctx = self._live[k]
@@ -238,8 +238,8 @@ class TreadHandle:
             kw = bound_kwargs(names, args, kwargs)
             if is_start:
                 x = kw[self.family.tokens]
-                image = start_route(x[:, lead:x.shape[1] - tail], keep)
-                kw[self.family.tokens] = _join(x[:, :lead], image, x[:, x.shape[1] - tail:])
+                image = _image_of(x, lead, tail) if image is None else image
+                kw[self.family.tokens] = _with_image(x, lead, tail, start_route(image, keep))
             self.family.narrow(kw, keep)
             return (), kw
         return hook
@@ -254,8 +254,8 @@ class TreadHandle:
                 return None
             keep, x_full = ctx
             out = self.family.image(output, kind)
-            image = end_route(out[:, lead:out.shape[1] - tail], x_full, keep)
-            return self.family.with_image(output, kind, _join(out[:, :lead], image, out[:, out.shape[1] - tail:]))
+            image = end_route(_image_of(out, lead, tail, keep.shape[1]), x_full, keep)
+            return self.family.with_image(output, kind, _with_image(out, lead, tail, image, keep.shape[1]))
         return hook
 
     def remove(self) -> None:
@@ -269,6 +269,23 @@ class TreadHandle:
         if getattr(self.transformer, "_tread_handle", None) is self:
             del self.transformer._tread_handle
         self._live, self.last_keep, self.mask = {}, {}, None
+
+
+def _image_of(x: torch.Tensor, lead, tail: int, count: Optional[int] = None) -> torch.Tensor:
+    """The image tokens of a block's sequence x: after `lead` text tokens and before `tail` conditioning tokens;
+    with a per-sample lead (SampleLead), its tokens, or `count` of them in a routed block, from each sample's offset."""
+    if isinstance(lead, SampleLead):
+        count = lead.tokens if count is None else count
+        index = lead.offsets(x.device)[:, None] + torch.arange(count, device=x.device)
+        return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+    return x[:, lead:x.shape[1] - tail]
+
+
+def _with_image(x: torch.Tensor, lead, tail: int, image: torch.Tensor, count: Optional[int] = None) -> torch.Tensor:
+    """x with its image tokens (`_image_of`) replaced by `image`, of any length; the tokens around them unchanged."""
+    if isinstance(lead, SampleLead):
+        return splice(x, lead.offsets(x.device), lead.tokens if count is None else count, image)
+    return _join(x[:, :lead], image, x[:, x.shape[1] - tail:])
 
 
 def _join(lead: torch.Tensor, image: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -298,7 +315,7 @@ def _replaying(checkpoint_func):
 def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: str = "half",
                 kept_count: str = "authors", **options) -> TreadHandle:
     """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
-    HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5 or LTX-2 transformer; returns the handle.
+    HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5, LTX-2 or Lumina2 transformer; returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
     `mask_rule` makes a mask image into tokens ("half" or "any", backbones/diffusers_masks.py); `kept_count`
     is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""

@@ -1,6 +1,6 @@
 """Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread):
-FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video, HunyuanVideo, Cosmos, Kandinsky 5 and LTX-2
-(4 frames) at 1,024 image tokens, with the FLOP bound from torch.utils.flop_counter.
+FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, Lumina2, LTX-Video, HunyuanVideo, Cosmos, Kandinsky 5
+and LTX-2 (4 frames) at 1,024 image tokens, with the FLOP bound from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
     python -m lab.bench_diffusers --archs flux2 chroma qwen --tokens-side 32 --batch-size 2 --rounds 4 \
@@ -13,6 +13,8 @@ FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, LTX-Video, Hunyuan
         --out docs/perf/diffusers_zimage_cpu.json
     python -m lab.bench_diffusers --archs krea2 --tokens-side 32 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_krea2_cpu.json
+    python -m lab.bench_diffusers --archs lumina2 --tokens-side 32 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_lumina2_cpu.json
     python -m lab.bench_diffusers --archs cosmos --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_cosmos_cpu.json
     python -m lab.bench_diffusers --archs kandinsky --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
@@ -116,6 +118,18 @@ def random_zimage(channels: int, width: int, depth: int, text_dim: int, seed: in
                                               axes_dims=[16, 24, 24], axes_lens=[256, 64, 64])
 
 
+def random_lumina2(channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
+    """A random Lumina2 transformer (one noise and one context refiner before `depth` main layers), head_dim 64,
+    half as many key-value heads as query heads (grouped-query attention, as Lumina-Image 2.0)."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    return diffusers.Lumina2Transformer2DModel(in_channels=channels, hidden_size=width, num_layers=depth,
+                                               num_refiner_layers=1, num_attention_heads=width // 64,
+                                               num_kv_heads=max(1, width // 128), axes_dim_rope=(16, 24, 24),
+                                               axes_lens=(256, 64, 64), cap_feat_dim=text_dim)
+
+
 def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: int, text_len: int = 16,
                     frames: int = 4):
     """The random model and a function drawing a batch (latents, text tokens, pooled) for it."""
@@ -133,6 +147,7 @@ def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: 
     else:
         side = tokens_side * 2  # patch 2
         model = (random_zimage(channels, width, depth, text_dim) if arch == "zimage"
+                 else random_lumina2(channels, width, depth, text_dim) if arch == "lumina2"
                  else random_sd3(channels, width, width // 64, depth, text_dim, side))
         make = lambda: torch.randn(batch, channels, side, side)  # noqa: E731
     return model, lambda: (make(), torch.randn(batch, text_len, text_dim), torch.randn(batch, text_dim))
@@ -165,7 +180,7 @@ def to_markdown(record: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", nargs="+", choices=(*PACKED, "sd3", *VIDEO, "zimage"), default=("flux", "sd3"))
+    p.add_argument("--archs", nargs="+", choices=(*PACKED, "sd3", *VIDEO, "zimage", "lumina2"), default=("flux", "sd3"))
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=8,
                    help="blocks (FLUX, FLUX.2, Chroma: a quarter dual-stream, the rest single)")

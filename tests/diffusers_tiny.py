@@ -299,6 +299,25 @@ BLOCK_LISTS.update(zimage=("layers",))
 TOKENS = {"zimage": "x"}  # the blocks' argument that holds the image tokens, where not hidden_states
 
 
+def lumina2(captions=(5, 3)):
+    """Lumina2 with 4 x 6 image tokens after captions of 5 and 3 tokens (the second padded: the image starts at a
+    per-sample offset, and the main layers get an attention mask); GQA, 2 query heads on 1 key-value head."""
+    from diffusers import Lumina2Transformer2DModel
+
+    model = Lumina2Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, hidden_size=16, num_layers=4,
+                                      num_refiner_layers=1, num_attention_heads=2, num_kv_heads=1, multiple_of=16,
+                                      axes_dim_rope=(2, 2, 4), axes_lens=(32, 16, 16), cap_feat_dim=16)
+    text_mask = torch.arange(max(captions))[None] < torch.tensor(captions)[:, None]
+    inputs = dict(hidden_states=torch.randn(B, 4, 8, 12), timestep=torch.rand(B),
+                  encoder_hidden_states=torch.randn(B, max(captions), 16), encoder_attention_mask=text_mask,
+                  return_dict=False)
+    return model, inputs, (4, 6)
+
+
+FAMILIES.update(lumina2=lumina2)
+BLOCK_LISTS.update(lumina2=("layers",))
+
+
 def krea2():
     """Krea2, the second sample's last two text tokens padding (an attention mask)."""
     from diffusers import Krea2Transformer2DModel

@@ -78,7 +78,7 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
     FLUX.2, Chroma and Qwen-Image packed tokens of a square-ish grid, with their position inputs, and t; LTX-Video
     video latents as tokens (LTX-2 beside random audio tokens); HunyuanVideo and Cosmos video latents; Kandinsky 5
     channels-last video latents; Z-Image one-frame latents; Krea2 packed tokens after the text, with their
-    positions."""
+    positions; Lumina2 latents after captions of two lengths (a padded batch)."""
     name = type(model).__name__
     if name == "LTXVideoTransformer3DModel":  # video latents [B, C, F, H, W] as tokens (patch 1), t * 1000
         frames, rows, columns = x_t.shape[2:]
@@ -87,6 +87,10 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
                     width=columns)
     if name == "ZImageTransformer2DModel":  # latents [B, C, 1, H, W] (one frame), t in [0, 1]
         return dict(x=x_t[:, :, None], cap_feats=text, t=t)
+    if name == "Lumina2Transformer2DModel":  # latents [B, C, H, W], t in [0, 1]; every other caption 4 tokens shorter
+        lengths = text.shape[1] - 4 * (torch.arange(len(t), device=text.device) % 2)
+        return dict(hidden_states=x_t, timestep=t, encoder_hidden_states=text,
+                    encoder_attention_mask=torch.arange(text.shape[1], device=text.device)[None] < lengths[:, None])
     if name == "SD3Transformer2DModel":
         return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000)
     if name == "LTX2VideoTransformer3DModel":  # video latents as tokens beside 16 random audio tokens, t * 1000
