@@ -237,3 +237,19 @@ def test_minimax_modalities_are_diffusers():
     from backbones.diffusers_sequence_families import MODALITIES
 
     assert MODALITIES == MINIMAX_H3_MODALITY_NUM
+
+
+def test_bench_runs_ernie_and_minimax(tmp_path):
+    """lab.bench_diffusers on tiny sizes: each routed step needs fewer FLOPs."""
+    import json
+
+    from lab import bench_diffusers
+
+    out = tmp_path / "bench.json"
+    bench_diffusers.main(["--archs", "ernie", "minimax", "--width", "64", "--depth", "4", "--tokens-side", "4",
+                          "--frames", "2", "--batch-size", "2", "--rounds", "1", "--steps", "1",
+                          "--threads", str(torch.get_num_threads()), "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["arch"], r["tokens"]) for r in rows] == [("ernie", 16), ("minimax", 32)]
+    for row in rows:
+        assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0
