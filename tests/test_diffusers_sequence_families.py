@@ -3,6 +3,7 @@ the checks every family gets (tests/test_diffusers_tread.py's, run here on these
 their layouts: a routed forward against one built by hand, each kept token's RoPE rows and modulation, the text
 and conditioning rows never routed, negative indices on the token axis, the layouts refused, and torch.compile."""
 import math
+import os
 
 import pytest
 import torch
@@ -253,3 +254,25 @@ def test_bench_runs_ernie_and_minimax(tmp_path):
     assert [(r["arch"], r["tokens"]) for r in rows] == [("ernie", 16), ("minimax", 32)]
     for row in rows:
         assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0
+
+
+@pytest.mark.skipif(not os.environ.get("TREAD_SIMPLETUNER"), reason="set TREAD_SIMPLETUNER=<SimpleTuner checkout>")
+@pytest.mark.parametrize("name", NAMES)
+def test_simpletuner_gives_our_outputs_and_gradients_on_the_same_kept_rows(name):
+    """Bit-identical in every route layout; SimpleTuner's own count takes the ratio of the whole block sequence (text
+    and conditioning rows included, all forced kept), so it keeps fewer image rows than the ratio says; with
+    padded text (Ernie) it attends the padding while routed, and differs."""
+    from lab.simpletuner_joint import compare_sequence_family
+    from lab.simpletuner_models import LAYOUTS
+
+    result = compare_sequence_family(name, os.environ["TREAD_SIMPLETUNER"], padded_text=True)
+    assert result["baseline"] == (0.0, 0.0)
+    rows = {r["layout"]: r for r in result["rows"]}
+    for layout in LAYOUTS:
+        row = rows[layout]
+        assert row["error"] is None and row["diff"] == (0.0, 0.0) and row["blocks"][0] == row["blocks"][1], row
+        assert all(theirs < ours for theirs, ours in row["counts"]), row["counts"]
+    assert rows["two routes 0..0, 2..3"]["blocks"][0] == [0, 2, 3]
+    if name == "ernie":
+        padded = rows["across lists 1..2, padded text"]
+        assert padded["error"] is None and padded["diff"][0] > 1e-3
