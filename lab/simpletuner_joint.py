@@ -10,10 +10,10 @@ block lengths are read on axis 0.
 """
 import torch
 
-from lab.simpletuner_models import B, FAMILIES, LAYOUTS, build_pair, import_simpletuner, recorded_selection
 from backbones.diffusers_tread import apply_tread
+from lab.simpletuner_models import B, FAMILIES, LAYOUTS, build_pair, difference, import_simpletuner, recorded_selection
+from lab.simpletuner_models import run as harness_run
 
-LEAVES = {"ernie": ("hidden_states", "text_bth"), "minimax": ("hidden_states", "encoder_hidden_states")}
 TOKEN_AXIS = {"ernie": 0, "minimax": 1}  # the token axis of the blocks' sequence
 IMAGE_ROWS = {"ernie": lambda inputs: inputs["hidden_states"][0, 0].numel() // 4,  # patch 2
               "minimax": lambda inputs: inputs["hidden_states"].shape[1]}  # every video row: no conditioning rows
@@ -57,18 +57,25 @@ def sequence_lengths(name: str, model) -> tuple:
     return seen, hooks
 
 
-def run(name: str, model, inputs: dict, weight_seed: int = 1):
-    """Output and the input gradients (latents, text) of a fixed random projection of it."""
-    leaves = {k: inputs[k].clone().requires_grad_() for k in LEAVES[name]}
-    out = model(**{**inputs, **leaves})[0]
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(weight_seed))
-    (out * weight).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return out.detach(), {k: v.grad for k, v in leaves.items()}
+class _TextAs:
+    """Ernie under the harness's `run`, whose text leaf is `encoder_hidden_states`: Ernie calls its text `text_bth`."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, encoder_hidden_states, **inputs):
+        return self.model(text_bth=encoder_hidden_states, **inputs)
+
+    def zero_grad(self, **kwargs):
+        self.model.zero_grad(**kwargs)
 
 
-def difference(a, b) -> tuple:
-    return (a[0] - b[0]).abs().max().item(), max((a[1][k] - b[1][k]).abs().max().item() for k in a[1])
+def run(name: str, model, inputs: dict):
+    """The harness's `run`: the output and the input gradients (latents, text) of a fixed random projection."""
+    if name == "ernie":
+        inputs = {"encoder_hidden_states" if k == "text_bth" else k: v for k, v in inputs.items()}
+        model = _TextAs(model)
+    return harness_run(model, inputs)
 
 
 def routed_blocks(name: str, model, inputs: dict, call) -> tuple:
