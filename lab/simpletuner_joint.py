@@ -14,6 +14,7 @@ from backbones.diffusers_tread import apply_tread
 from lab.simpletuner_models import B, FAMILIES, LAYOUTS, build_pair, difference, import_simpletuner, recorded_selection
 from lab.simpletuner_models import run as harness_run
 
+SEQUENCE_FAMILIES = ("ernie", "minimax")  # the rows of lab/simpletuner_models.FAMILIES this module compares
 TOKEN_AXIS = {"ernie": 0, "minimax": 1}  # the token axis of the blocks' sequence
 IMAGE_ROWS = {"ernie": lambda inputs: inputs["hidden_states"][0, 0].numel() // 4,  # patch 2
               "minimax": lambda inputs: inputs["hidden_states"].shape[1]}  # every video row: no conditioning rows

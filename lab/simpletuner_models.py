@@ -329,9 +329,6 @@ def force_keep_mask(inputs: dict, tokens: int, seed: int = 2) -> torch.Tensor:
 def compare_family(name: str, code_dir, layouts: dict = LAYOUTS) -> dict:
     """Every layout (and, for FLUX, per-sample masks) for one family: max abs differences against the tolerance
     (ten times each quantity's unrouted difference, at least 1e-6), kept counts and routed blocks of both sides."""
-    if name in ("ernie", "minimax"):  # SimpleTuner selects over their whole block sequence: lab/simpletuner_joint.py
-        from lab.simpletuner_joint import compare_sequence_family
-        return compare_sequence_family(name, code_dir, layouts)
     module = import_simpletuner(code_dir, FAMILIES[name][0])
     ours, theirs, inputs, dropped = build_pair(name, module)
     (base_ours, full_ours), (base_theirs, full_theirs) = unrouted(name, ours, inputs), unrouted(name, theirs, inputs)
