@@ -37,8 +37,8 @@ import torch
 from backbones.diffusers_families import RELIES_ON, Family, family_of, no_tail
 from backbones.diffusers_image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
-from backbones.diffusers_video_families import VIDEO_FAMILIES  # noqa: F401  (importing registers them)
 from backbones.diffusers_sequence_families import SEQUENCE_FAMILIES  # noqa: F401  (importing registers them)
+from backbones.diffusers_video_families import VIDEO_FAMILIES  # noqa: F401  (importing registers them)
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
 from tread_utils.errors import UserError
 

@@ -124,7 +124,8 @@ def _ernie():
 
 
 def _minimax():
-    """MiniMax H3 on its text-to-video-and-audio layout [text | audio | video]: 6 text, 3 audio, 2 x 3 x 4 video rows."""
+    """MiniMax H3 on its text-to-video-and-audio layout [text | audio | video]: 6 text, 3 audio, 2 x 3 x 4 video
+    rows."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     from tools.diffusers_toy import minimax_inputs

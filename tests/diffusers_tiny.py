@@ -453,9 +453,8 @@ def minimax_layout(text=5, conditions=4, audio=3, grid=(2, 3, 4)):
     steps = torch.tensor([0] * (text + conditions) + [1] * (audio + n))
     frames, rows, columns = torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij")
     target = torch.stack([frames + 2, rows, columns], -1).reshape(n, 3)
-    position_ids = torch.cat([torch.arange(text)[:, None] * torch.tensor([1, 0, 0]),
-                              torch.stack([torch.ones(conditions), torch.arange(conditions), torch.zeros(conditions)], 1),
-                              torch.arange(audio)[:, None] * torch.tensor([1, 0, 0]), target]).long()
+    along = lambda k, axis: torch.arange(k)[:, None] * torch.eye(3, dtype=torch.long)[axis]  # noqa: E731
+    position_ids = torch.cat([along(text, 0), along(conditions, 1) + torch.tensor([1, 0, 0]), along(audio, 0), target])
     start = text + conditions
     return dict(timestep=torch.tensor([0.0, 0.6]), timestep_indices=steps, token_tags=tags, position_ids=position_ids,
                 video_indices=torch.cat([torch.arange(text, start), torch.arange(start + audio, length)]),
@@ -471,8 +470,9 @@ def minimax():
                                         patch_size=(1, 1, 1), text_dim=16, freq_dim=16, time_embed_hidden_dim=16,
                                         time_embed_dim=16, rope_freq_dim=2)
     layout = minimax_layout()
-    inputs = dict(hidden_states=torch.randn(B, len(layout["video_indices"]), 4), audio_hidden_states=torch.randn(B, 3, 4),
-                  encoder_hidden_states=torch.randn(B, 5, 16), return_dict=False, **layout)
+    inputs = dict(hidden_states=torch.randn(B, len(layout["video_indices"]), 4),
+                  audio_hidden_states=torch.randn(B, 3, 4), encoder_hidden_states=torch.randn(B, 5, 16),
+                  return_dict=False, **layout)
     return model, inputs, (2, 3, 4)
 
 

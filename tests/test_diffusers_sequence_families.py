@@ -1,4 +1,4 @@
-"""TREAD on Ernie (sequence-first blocks) and MiniMax H3 (one packed sequence) (backbones/diffusers_sequence_families.py):
+"""TREAD on Ernie (sequence-first blocks) and MiniMax H3 (one packed sequence), diffusers_sequence_families.py:
 the checks every family gets (tests/test_diffusers_tread.py's, run here on these two), and those written for
 their layouts: a routed forward against one built by hand, each kept token's RoPE rows and modulation, the text
 and conditioning rows never routed, negative indices on the token axis, the layouts refused, and torch.compile."""
