@@ -306,6 +306,7 @@ class Family:
     tensor_lists: Tuple[str, ...] = ()  # block lists whose output is the tensor itself, whatever out_index says
     tail: Callable = no_tail      # (transformer, forward kwargs) -> conditioning tokens after the image
     tokens: str = "hidden_states"  # the block argument that holds the routed tokens
+    sequence_first: bool = False   # the blocks' tokens (and output) are [S, B, D], not [B, S, D]
 
     def image(self, output, kind: str):
         return output if self.out_index is None or kind in self.tensor_lists else output[self.out_index]

@@ -37,6 +37,7 @@ import torch
 from backbones.diffusers_families import RELIES_ON, Family, SampleLead, family_of, no_tail, splice
 from backbones.diffusers_image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
+from backbones.diffusers_sequence_families import SEQUENCE_FAMILIES  # noqa: F401  (importing registers them)
 from backbones.diffusers_video_families import VIDEO_FAMILIES  # noqa: F401  (importing registers them)
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
 from tread_utils.errors import UserError
@@ -225,7 +226,7 @@ class TreadHandle:
             elif not self._on:
                 ctx = None
             elif is_start:
-                image = _image_of(bound_kwargs(names, args, kwargs)[self.family.tokens], lead, tail)
+                image = _image_of(self._batch_first(bound_kwargs(names, args, kwargs)[self.family.tokens]), lead, tail)
                 ctx = (self._select(route, image), image)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
             else:
@@ -237,9 +238,9 @@ class TreadHandle:
             keep = ctx[0]
             kw = bound_kwargs(names, args, kwargs)
             if is_start:
-                x = kw[self.family.tokens]
+                x = self._batch_first(kw[self.family.tokens])
                 image = _image_of(x, lead, tail) if image is None else image
-                kw[self.family.tokens] = _with_image(x, lead, tail, start_route(image, keep))
+                kw[self.family.tokens] = self._batch_first(_with_image(x, lead, tail, start_route(image, keep)))
             self.family.narrow(kw, keep)
             return (), kw
         return hook
@@ -253,10 +254,15 @@ class TreadHandle:
             if ctx is None:
                 return None
             keep, x_full = ctx
-            out = self.family.image(output, kind)
+            out = self._batch_first(self.family.image(output, kind))
             image = end_route(_image_of(out, lead, tail, keep.shape[1]), x_full, keep)
-            return self.family.with_image(output, kind, _with_image(out, lead, tail, image, keep.shape[1]))
+            joined = _with_image(out, lead, tail, image, keep.shape[1])
+            return self.family.with_image(output, kind, self._batch_first(joined))
         return hook
+
+    def _batch_first(self, x: torch.Tensor) -> torch.Tensor:
+        """A sequence-first family's [S, B, D] tokens as [B, S, D] (a view), and back: the cut is on axis 1."""
+        return x.transpose(0, 1) if self.family.sequence_first else x
 
     def remove(self) -> None:
         """Detach every hook and restore the checkpointing function: the model is as it was before."""
@@ -315,7 +321,8 @@ def _replaying(checkpoint_func):
 def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: str = "half",
                 kept_count: str = "authors", **options) -> TreadHandle:
     """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
-    HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5, LTX-2 or Lumina2 transformer; returns the handle.
+    HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5, LTX-2, Lumina2, Ernie or MiniMax H3 transformer;
+    returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
     `mask_rule` makes a mask image into tokens ("half" or "any", backbones/diffusers_masks.py); `kept_count`
     is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""

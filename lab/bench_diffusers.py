@@ -1,6 +1,6 @@
 """Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread):
-FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, Lumina2, LTX-Video, HunyuanVideo, Cosmos, Kandinsky 5
-and LTX-2 (4 frames) at 1,024 image tokens, with the FLOP bound from torch.utils.flop_counter.
+FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, Lumina2, Ernie, LTX-Video, HunyuanVideo, Cosmos,
+Kandinsky 5, LTX-2 and MiniMax H3 (4 frames) at 1,024 image tokens, with the FLOP bound from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
     python -m lab.bench_diffusers --archs flux2 chroma qwen --tokens-side 32 --batch-size 2 --rounds 4 \
@@ -21,6 +21,10 @@ and LTX-2 (4 frames) at 1,024 image tokens, with the FLOP bound from torch.utils
         --out docs/perf/diffusers_kandinsky_cpu.json
     python -m lab.bench_diffusers --archs ltx2 --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_ltx2_cpu.json
+    python -m lab.bench_diffusers --archs ernie --tokens-side 32 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_ernie_cpu.json
+    python -m lab.bench_diffusers --archs minimax --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_minimax_cpu.json
     python -m lab.bench_diffusers --archs flux --lora-int8 --rounds 4 --out docs/perf/diffusers_flux_int8_lora_cpu.json
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights (with --lora-int8: over
@@ -42,7 +46,7 @@ from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unroute
 from tread_utils.errors import report_user_errors
 
 PACKED = ("flux", "flux2", "chroma", "qwen", "krea2")  # take packed latent tokens
-VIDEO = ("ltx", "hunyuan", "cosmos", "kandinsky", "ltx2")
+VIDEO = ("ltx", "hunyuan", "cosmos", "kandinsky", "ltx2", "minimax")
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 
 
@@ -130,11 +134,37 @@ def random_lumina2(channels: int, width: int, depth: int, text_dim: int, seed: i
                                                axes_lens=(256, 64, 64), cap_feat_dim=text_dim)
 
 
+def random_sequence(arch: str, channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
+    """A random Ernie (patch 2) or MiniMax H3 (patch 1, one refiner block before `depth` blocks, audio rows of the
+    same width) transformer, head_dim 64; their zero-initialised modulation and output layers made random."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    if arch == "ernie":
+        model = diffusers.ErnieImageTransformer2DModel(hidden_size=width, num_attention_heads=width // 64,
+                                                       num_layers=depth, ffn_hidden_size=4 * width,
+                                                       in_channels=channels, out_channels=channels, patch_size=2,
+                                                       text_in_dim=text_dim, rope_axes_dim=(16, 24, 24))
+        for p in (*model.adaLN_modulation.parameters(), *model.final_linear.parameters()):
+            torch.nn.init.normal_(p, std=0.02)
+        return model
+    return diffusers.MiniMaxH3Transformer3DModel(num_attention_heads=width // 64, attention_head_dim=64,
+                                                 hidden_size=width, num_layers=depth, num_refiner_layers=1,
+                                                 ffn_dim=4 * width, in_channels=channels, audio_in_channels=channels,
+                                                 patch_size=(1, 1, 1), text_dim=text_dim, time_embed_hidden_dim=width,
+                                                 time_embed_dim=width // 2, rope_freq_dim=8)
+
+
 def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: int, text_len: int = 16,
                     frames: int = 4):
     """The random model and a function drawing a batch (latents, text tokens, pooled) for it."""
     text_dim, channels = 64, 4
-    if arch in PACKED:
+    if arch in ("ernie", "minimax"):  # Ernie: image latents, patch 2; MiniMax H3: a few frames of video, patch 1
+        model = random_sequence(arch, channels, width, depth, text_dim)
+        side = tokens_side * (2 if arch == "ernie" else 1)
+        shape = (channels, side, side) if arch == "ernie" else (channels, frames, side, side)
+        make = lambda: torch.randn(batch, *shape)  # noqa: E731
+    elif arch in PACKED:
         model = (random_flux(channels, width, width // 64, depth // 4, depth - depth // 4, text_dim) if arch == "flux"
                  else random_packed(arch, channels, width, depth, text_dim))
         side = tokens_side * 2  # latent pixels; 2x2 packing gives tokens_side^2 tokens
@@ -180,7 +210,8 @@ def to_markdown(record: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", nargs="+", choices=(*PACKED, "sd3", *VIDEO, "zimage", "lumina2"), default=("flux", "sd3"))
+    p.add_argument("--archs", nargs="+", choices=(*PACKED, "sd3", *VIDEO, "zimage", "lumina2", "ernie"),
+                   default=("flux", "sd3"))
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=8,
                    help="blocks (FLUX, FLUX.2, Chroma: a quarter dual-stream, the rest single)")

@@ -111,6 +111,32 @@ def _ltx():
                        height=4, width=3, return_dict=False)
 
 
+def _ernie():
+    """Ernie, its zero-initialised modulation and output layer made random (a zero output would agree trivially)."""
+    from diffusers import ErnieImageTransformer2DModel
+    model = ErnieImageTransformer2DModel(hidden_size=16, num_attention_heads=2, num_layers=4, ffn_hidden_size=32,
+                                         in_channels=4, out_channels=4, patch_size=2, text_in_dim=12,
+                                         rope_axes_dim=(2, 2, 4))
+    for p in (*model.adaLN_modulation.parameters(), *model.final_linear.parameters()):
+        torch.nn.init.normal_(p, std=0.2)
+    return model, dict(hidden_states=torch.randn(B, 4, 8, 10), timestep=torch.rand(B) * 1000,
+                       text_bth=torch.randn(B, 6, 12), text_lens=torch.full((B,), 6), return_dict=False)
+
+
+def _minimax():
+    """MiniMax H3 on its text-to-video-and-audio layout [text | audio | video]: 6 text, 3 audio, 2 x 3 x 4 video
+    rows."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from tools.diffusers_toy import minimax_inputs
+    model = MiniMaxH3Transformer3DModel(num_attention_heads=2, attention_head_dim=16, hidden_size=24, num_layers=4,
+                                        num_refiner_layers=1, ffn_dim=32, in_channels=4, audio_in_channels=4,
+                                        patch_size=(1, 1, 1), text_dim=16, freq_dim=16, time_embed_hidden_dim=16,
+                                        time_embed_dim=16, rope_freq_dim=2)
+    inputs = minimax_inputs(torch.randn(B, 4, 2, 3, 4), torch.randn(B, 6, 16), torch.rand(B), audio=3, audio_channels=4)
+    return model, dict(inputs, return_dict=False)
+
+
 _SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=2,
             joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
             pos_embed_max_size=16)
@@ -137,6 +163,8 @@ FAMILIES = {
                           approximator_layers=1)),
     "qwen": ("qwen_image", "QwenImageTransformer2DModel", ("transformer_blocks",), _qwen),
     "ltx": ("ltxvideo", "LTXVideoTransformer3DModel", ("transformer_blocks",), _ltx),
+    "ernie": ("ernie", "ErnieImageTransformer2DModel", ("layers",), _ernie),
+    "minimax": ("minimaxh3", "MiniMaxH3Transformer3DModel", ("transformer_blocks",), _minimax),
 }
 # Families both route whose SimpleTuner file cannot be run against its own router, read from bc8e6ab.
 NOT_COMPARED = {

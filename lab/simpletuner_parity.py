@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from backbones.diffusers_tread import TreadHandle
+from lab.simpletuner_joint import SEQUENCE_FAMILIES, compare_sequence_family
 from lab.simpletuner_models import FAMILIES, NOT_COMPARED, STUBS, WHY_IT_FAILS, compare_configs, compare_family
 from routing_module import num_kept
 from tread_utils.errors import UserError, report_user_errors
@@ -125,7 +126,7 @@ def compare_transformers(code_dir, families) -> tuple:
     """The log lines of every family and the config strings, and whether everything SimpleTuner runs agrees."""
     lines, agree = [], True
     for name in families:
-        result = compare_family(name, code_dir)
+        result = (compare_sequence_family if name in SEQUENCE_FAMILIES else compare_family)(name, code_dir)
         lines += report_family(result, code_dir)
         agree &= all(r["same"] for r in result["rows"] if not r["error"])
     lines += [f"{name}: not compared: {why}" for name, why in NOT_COMPARED.items()]

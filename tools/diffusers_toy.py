@@ -80,6 +80,11 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
     channels-last video latents; Z-Image one-frame latents; Krea2 packed tokens after the text, with their
     positions; Lumina2 latents after captions of two lengths (a padded batch)."""
     name = type(model).__name__
+    if name == "ErnieImageTransformer2DModel":  # latents [B, C, H, W], text [B, T, D] all real, t * 1000
+        return dict(hidden_states=x_t, timestep=t * 1000, text_bth=text,
+                    text_lens=torch.full((len(t),), text.shape[1], device=x_t.device))
+    if name == "MiniMaxH3Transformer3DModel":
+        return minimax_inputs(x_t, text, t, audio=16, audio_channels=model.config.audio_in_channels)
     if name == "LTXVideoTransformer3DModel":  # video latents [B, C, F, H, W] as tokens (patch 1), t * 1000
         frames, rows, columns = x_t.shape[2:]
         return dict(hidden_states=x_t.flatten(2).transpose(1, 2), encoder_hidden_states=text, timestep=t * 1000,
@@ -124,6 +129,24 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
         guidance = torch.ones_like(t) if model.config.guidance_embeds else None  # FLUX.1-dev
         inputs.update(pooled_projections=pooled, guidance=guidance)
     return inputs
+
+
+def minimax_inputs(x_t: torch.Tensor, text: torch.Tensor, t: torch.Tensor, audio: int, audio_channels: int) -> dict:
+    """MiniMax H3's text-to-video-and-audio layout, [text | audio | video], of video latents [B, C, F, H, W] as rows
+    (patch 1) beside random audio rows. Its batch shares one layout, timesteps included: every row is at the
+    first sample's t (a bench times the step; the other samples' loss is not the flow-matching one)."""
+    frames, rows, columns = x_t.shape[2:]
+    n, text_len = frames * rows * columns, text.shape[1]
+    length = text_len + audio + n
+    grid = torch.stack(torch.meshgrid(*(torch.arange(g) for g in (frames, rows, columns)), indexing="ij"), -1)
+    sequence = torch.arange(text_len + audio)[:, None] * torch.tensor([1, 0, 0])
+    return dict(hidden_states=x_t.flatten(2).transpose(1, 2),
+                audio_hidden_states=torch.randn(len(t), audio, audio_channels, device=x_t.device),
+                encoder_hidden_states=text, timestep=t[:1], timestep_indices=torch.zeros(length, dtype=torch.long),
+                token_tags=torch.tensor([1] * text_len + [2] * audio + [0] * n),
+                position_ids=torch.cat([sequence, grid.reshape(n, 3)]),
+                video_indices=torch.arange(text_len + audio, length),
+                audio_indices=torch.arange(text_len, text_len + audio), text_indices=torch.arange(text_len))
 
 
 def flow_matching_loss(model, latents: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

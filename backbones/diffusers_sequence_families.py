@@ -1,0 +1,113 @@
+"""Two more diffusers families for TREAD, whose blocks run one sequence of every modality, registered into the
+tables of backbones/diffusers_families.py (whose docstring says what a Family holds).
+
+- Ernie (`ErnieImageTransformer2DModel`, `layers`): sequence-first. Every block takes `x` [S, B, D], the image
+  tokens first (N = H/p x W/p), then the text padded to the batch's longest (`text_lens` says how much is real);
+  the family's `sequence_first` makes the hooks cut the token axis 0. The text follows the image and passes every
+  block whole. Its RoPE `rotary_pos_emb` [B, S, 1, head_dim] is per sample: each sample's kept image rows, then the
+  text rows. The modulation `temb` is six tensors [S, B, D] (one row per token) and the attention mask [B, 1, 1, S]
+  masks the text padding: both are cut at the same positions.
+- MiniMax H3 (`MiniMaxH3Transformer3DModel`, `transformer_blocks`): one packed sequence [B, S, D] of text rows,
+  conditioning rows (keyframes, references), audio rows and the target video, laid out as diffusers' MiniMax H3
+  pipelines build it, [text | conditions | audio | target video], and shared by the batch (`position_ids` [S, 3],
+  `token_tags` [S], `timestep_indices` [S]). The routed tokens are the target video's rows, the trailing run of
+  video rows at the target's timestep; everything before them is conditioning and passes every block whole. The
+  blocks select their modulation with one index per row shared by the batch (`adaln_indices` [S],
+  `index_select`), so only rows that share one index can be routed per sample: the target's do, the conditioning
+  video rows (at their own timestep) do not. Its RoPE (cos, sin) [S, rotary_dim] has no batch dimension: a routed
+  block gets each sample's leading rows and kept target rows. Under torch.compile the rows are not read (that is
+  data-dependent): every video row is taken as the target, and a run-time assertion stops a forward whose video
+  rows are not the trailing rows at one timestep (a layout with conditioning rows: run it eagerly).
+"""
+import torch
+
+from backbones.diffusers_families import FAMILIES, RELIES_ON, Family, SampleRope, _latent_grid, gather_attention_mask
+from backbones.diffusers_video_families import _token_rows
+from tread_utils.errors import UserError
+
+
+def _ernie_tail(transformer, kw: dict) -> int:
+    """Ernie's text tokens, after the image's in every block's sequence."""
+    return kw["text_bth"].shape[1]
+
+
+def _ernie_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """Each sample's kept image rows, then the text rows, of the RoPE [B, S, 1, head_dim], of the six modulation
+    tensors [S, B, D] and of the attention mask [B, 1, 1, S]."""
+    rope = kw["rotary_pos_emb"]
+    length, text = rope.shape[1], kw["x"].shape[0] - keep.shape[1]
+    rest = torch.arange(length - text, length, device=keep.device).expand(keep.shape[0], -1)
+    positions = torch.cat([keep, rest], 1)
+    kw["rotary_pos_emb"] = _token_rows(rope, positions, 1)
+    kw["temb"] = [_token_rows(t.transpose(0, 1), positions, 1).transpose(0, 1) for t in kw["temb"]]
+    if kw.get("attention_mask") is not None:
+        kw["attention_mask"] = gather_attention_mask(kw["attention_mask"], positions, "Ernie")
+
+
+class RowsRope(SampleRope):
+    """Each sample's RoPE rows [B, S, rotary_dim] where MiniMax H3 reads a batch-shared [S, rotary_dim] table:
+    `cos.shape[-1]`, `cos.to(dtype)`, then `[None, :, None, :]` (SampleRope's)."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.table.shape
+
+    def to(self, *args, **kwargs) -> "RowsRope":
+        return RowsRope(self.table.to(*args, **kwargs))
+
+
+MODALITIES = 3  # diffusers' MINIMAX_H3_MODALITY_NUM: a row's modulation index is timestep index * 3 + token tag
+TARGET_LAYOUT = ("TREAD routes MiniMax H3's target video as the last rows of the packed sequence, at one timestep, "
+                 "as diffusers' MiniMax H3 pipelines lay it out ([text | conditions | audio | target video])")
+
+
+def _minimax_lead(transformer, kw: dict) -> dict:
+    """The rows before the target video's: the trailing run of video rows (token tag 0) at the last row's timestep."""
+    tags = kw["token_tags"]
+    length, video = tags.shape[0], kw["hidden_states"].shape[1]
+    if torch.compiler.is_compiling():  # no data read into Python: every video row, checked in the blocks
+        return {"transformer_blocks": length - video}
+    index = kw["timestep_indices"] * MODALITIES + tags
+    other = (index != index[-1]).nonzero()
+    lead = int(other.max()) + 1 if len(other) else 0
+    target = torch.arange(lead, length, device=tags.device)
+    video_rows = kw["video_indices"][video - (length - lead):] if length - lead <= video else None
+    if int(tags[-1]) != 0 or video_rows is None or not torch.equal(video_rows.to(tags.device), target):
+        raise UserError(f"{TARGET_LAYOUT}; these rows are not (the last row's token tag is {int(tags[-1])})")
+    return {"transformer_blocks": lead}
+
+
+def _minimax_grid(transformer, kw: dict) -> tuple:
+    """Frames x rows x columns of the target video, read from its rows of position_ids [S, 3]."""
+    lead = _minimax_lead(transformer, kw)["transformer_blocks"]
+    ids = kw["position_ids"][lead:]
+    return tuple(int(ids[:, axis].unique().numel()) for axis in range(3))
+
+
+def _minimax_narrow(kw: dict, keep: torch.Tensor) -> None:
+    """Each sample's leading rows and kept target rows of the RoPE (cos, sin) [S, rotary_dim]; the modulation index
+    [S] keeps its leading rows and as many target rows as are kept (the target's rows share one index)."""
+    lead = kw["hidden_states"].shape[1] - keep.shape[1]
+    index = kw["adaln_indices"]
+    if torch.compiler.is_compiling():  # the rows taken as the target share one index, and it is a video row's
+        torch._assert_async((index[lead:] == index[-1]).all() & (index[-1] % MODALITIES == 0),
+                            f"{TARGET_LAYOUT}; with conditioning rows, run the routed model without torch.compile")
+    positions = torch.cat([torch.arange(lead, device=keep.device).expand(keep.shape[0], -1), lead + keep], 1)
+    kw["rotary_emb"] = tuple(RowsRope(table[positions.to(table.device)]) for table in kw["rotary_emb"])
+    kw["adaln_indices"] = index[:lead + keep.shape[1]]
+
+
+SEQUENCE_FAMILIES = {
+    "ErnieImageTransformer2DModel": Family(("layers",), None, _ernie_narrow, _latent_grid("patch_size", 2),
+                                           tail=_ernie_tail, tokens="x", sequence_first=True),
+    "MiniMaxH3Transformer3DModel": Family(("transformer_blocks",), None, _minimax_narrow, _minimax_grid,
+                                          lead=_minimax_lead),
+}
+FAMILIES.update(SEQUENCE_FAMILIES)
+RELIES_ON.update({
+    "ErnieImageTransformer2DModel": {"forward": ("hidden_states", "text_bth", "text_lens"),
+                                     "layers": ("x", "rotary_pos_emb", "temb", "attention_mask")},
+    "MiniMaxH3Transformer3DModel": {"forward": ("hidden_states", "timestep_indices", "token_tags", "position_ids",
+                                                "video_indices"),
+                                    "transformer_blocks": ("hidden_states", "adaln_indices", "rotary_emb")},
+})
