@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
+from backbones.diffusers_families import check_reference_ids  # noqa: E402
 from diffusers_tiny import B, blocks_of, build, reference_forward  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
@@ -123,3 +124,18 @@ def test_a_compiled_forward_checks_the_reference_count_in_its_graph_and_routes_a
         compiled(**inputs, tread_reference_tokens=R - 1)
     # one graph; the count is a constant of the graph, so it compiles once more, and no more after that
     assert graphs == [1, 2, 2, 2] and sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+
+def test_the_check_reaches_the_caller_as_it_is_through_aot_autograd():
+    """aot_eager traces the op with its fake kernel and runs it inside the compiled graph, as inductor does: the
+    error the caller gets is the one line itself, not a compiler error around it."""
+    ids = kontext()[1]["img_ids"]
+    keep = torch.arange(N // 2).expand(B, -1)
+    torch._dynamo.reset()
+    checked = torch.compile(lambda ids, keep, count: check_reference_ids(ids, keep, count, True) + 0,
+                            backend="aot_eager", fullgraph=True)
+    assert torch.equal(checked(ids, keep, R), keep)
+    with pytest.raises(UserError, match=f"^tread_reference_tokens={R - 1}, but img_ids has {R} .*") as err:
+        checked(ids, keep, R - 1)
+    assert type(err.value) is UserError and "\n" not in str(err.value)
