@@ -227,16 +227,38 @@ def _flux_grid(transformer, kw: dict) -> Tuple[int, ...]:
 def _flux_tail(transformer, kw: dict) -> int:
     """FLUX Kontext's reference-image tokens: after the target's in hidden_states, told apart by img_ids' first
     coordinate (0 for the target, as diffusers' FluxKontextPipeline builds them); never routed. Read from data, so
-    under torch.compile only a count given as `tread_reference_tokens` is seen (none: no reference tokens)."""
+    under torch.compile only a count given as `tread_reference_tokens` is used (none: 0), which
+    `check_reference_ids` checks against the ids when the compiled forward runs."""
     ids = kw.get("img_ids")
     if ids is None or torch.compiler.is_compiling():
         return 0
+    return int(((ids[0] if ids.ndim == 3 else ids)[:, 0] != 0).sum())
+
+
+@torch.library.custom_op("tread::check_reference_ids", mutates_args=())
+def check_reference_ids(ids: torch.Tensor, keep: torch.Tensor, references: int, given: bool) -> torch.Tensor:
+    """The kept tokens `keep`, copied once FLUX Kontext's img_ids are checked against the reference-image count
+    the routes use (`given`: from tread_reference_tokens; else read from the ids, or 0 under torch.compile). An op
+    is opaque to torch.compile: a compiled forward, which cannot read the ids while tracing, runs this check on
+    their values when it runs, inside its one graph; returning the kept tokens keeps it in the data path."""
     first = (ids[0] if ids.ndim == 3 else ids)[:, 0] != 0
-    refs = int(first.sum())
-    if refs and not bool(first[len(first) - refs:].all()):
+    found = int(first.sum())
+    counted = f"{found} FLUX Kontext reference-image tokens (img_ids' first coordinate not 0)"
+    if found != references and given:
+        raise UserError(f"tread_reference_tokens={references}, but img_ids has {counted}; pass "
+                        f"tread_reference_tokens={found}")
+    if found != references:
+        raise UserError(f"img_ids has {counted}, which a compiled forward cannot read; pass "
+                        f"tread_reference_tokens={found} to the forward")
+    if found and not bool(first[len(first) - found:].all()):
         raise UserError("TREAD reads FLUX Kontext's reference-image tokens as the last ones of hidden_states (img_ids' "
                         "first coordinate not 0); put them after the target's tokens, as FluxKontextPipeline does")
-    return refs
+    return keep.clone()
+
+
+@check_reference_ids.register_fake
+def _(ids: torch.Tensor, keep: torch.Tensor, references: int, given: bool) -> torch.Tensor:
+    return torch.empty_like(keep)
 
 
 def _hunyuan_grid(transformer, kw: dict) -> Tuple[int, ...]:
@@ -307,6 +329,7 @@ class Family:
     tail: Callable = no_tail      # (transformer, forward kwargs) -> conditioning tokens after the image
     tokens: str = "hidden_states"  # the block argument that holds the routed tokens
     sequence_first: bool = False   # the blocks' tokens (and output) are [S, B, D], not [B, S, D]
+    tail_ids: Optional[str] = None  # the forward argument the tail is read from (compiled: checked as it runs)
 
     def image(self, output, kind: str):
         return output if self.out_index is None or kind in self.tensor_lists else output[self.out_index]
@@ -324,7 +347,8 @@ FAMILIES = {
                                        _latent_grid("patch_size", 2)),
     "SD3Transformer2DModel": Family(("transformer_blocks",), 1, _no_narrow, _latent_grid("patch_size", 2),
                                     ("block_controlnet_hidden_states", "skip_layers")),
-    "FluxTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, tail=_flux_tail),
+    "FluxTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, tail=_flux_tail,
+                                      tail_ids="img_ids"),
     "Flux2Transformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, ("kv_cache", "kv_cache_mode"),
                                       lead=_text_lead, tensor_lists=("single_transformer_blocks",)),
     "ChromaTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, lead=_text_lead,

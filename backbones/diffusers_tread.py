@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from backbones.diffusers_families import RELIES_ON, Family, SampleLead, family_of, no_tail, splice
+from backbones.diffusers_families import (RELIES_ON, Family, SampleLead, check_reference_ids, family_of, no_tail,
+                                          splice)
 from backbones.diffusers_image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
 from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from backbones.diffusers_sequence_families import SEQUENCE_FAMILIES  # noqa: F401  (importing registers them)
@@ -131,6 +132,7 @@ class TreadHandle:
         self._on, self._force_keep, self._pending_mask, self._grid, self._live = False, None, None, None, {}
         self._lead: dict = {}  # block list -> text tokens before the image (a SampleLead: per sample), this forward
         self._tail = 0  # conditioning tokens after the image in every block's hidden_states (this forward)
+        self._tail_ids, self._tail_given = None, False  # where the tail is read from, whether it was given
         self._names = positional_names(transformer)
         blocks = [(name, block) for name in family.block_lists for block in getattr(transformer, name)]
         self.depth = len(blocks)
@@ -171,6 +173,8 @@ class TreadHandle:
                 raise UserError(f"TREAD cannot route a {type(module).__name__} forward given {name}; train "
                                 f"without it, or call handle.remove() first")
         self._lead, self._tail = self.family.lead(module, kw), self._references(module, kw, references)
+        self._tail_ids = kw.get(self.family.tail_ids) if self.family.tail_ids else None
+        self._tail_given = references is not None
         self._grid = None if mask is None else self.family.grid(module, kw)  # FLUX reads it from data: no trace
         self._pending_mask = mask
         return args, kwargs
@@ -202,6 +206,13 @@ class TreadHandle:
         ratio = self._ratio(route.selection_ratio, x.shape[1])
         return select_kept_tokens(x, ratio, None, route.selection, force_keep, **dict(route.options))
 
+    def _checked(self, keep: torch.Tensor) -> torch.Tensor:
+        """The kept tokens, passed through a check of the tail against the ids it is read from when the forward
+        runs: in the data path of every routed block, so a compiled forward runs it in its graph."""
+        if self._tail_ids is None:
+            return keep
+        return check_reference_ids(self._tail_ids, keep, self._tail, self._tail_given)
+
     def _ratio(self, ratio: float, num_tokens: int) -> float:
         """The ratio whose authors' count N - int(N * r) keeps what `kept_count` asks for: SimpleTuner's
         N - round(N * ratio), at least one token (its round can skip all)."""
@@ -227,7 +238,7 @@ class TreadHandle:
                 ctx = None
             elif is_start:
                 image = _image_of(self._batch_first(bound_kwargs(names, args, kwargs)[self.family.tokens]), lead, tail)
-                ctx = (self._select(route, image), image)
+                ctx = (self._checked(self._select(route, image)), image)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
             else:
                 ctx = self._live[k]

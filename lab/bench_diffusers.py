@@ -26,6 +26,8 @@ Kandinsky 5, LTX-2 and MiniMax H3 (4 frames) at 1,024 image tokens, with the FLO
     python -m lab.bench_diffusers --archs minimax --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_minimax_cpu.json
     python -m lab.bench_diffusers --archs flux --lora-int8 --rounds 4 --out docs/perf/diffusers_flux_int8_lora_cpu.json
+    python -m lab.bench_diffusers --archs flux --lora-int8 --quantizer torchao --rounds 4 \
+        --out docs/perf/diffusers_flux_int8_torchao_lora_cpu.json
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights (with --lora-int8: over
 the LoRA adapters of an int8 base), on random latents and text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
@@ -34,7 +36,9 @@ FLOPs unrouted / FLOPs routed, and their ratio (1.0: routing saves all the time 
 is SimpleTuner's balanced one, {selection_ratio 0.5, start 2, end -2}. The record notes the machine's load.
 """
 import argparse
+import importlib.util
 import json
+import math
 import os
 import platform
 import sys
@@ -43,10 +47,11 @@ from pathlib import Path
 import torch
 
 from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unrouted
-from tread_utils.errors import report_user_errors
+from tread_utils.errors import UserError, report_user_errors
 
 PACKED = ("flux", "flux2", "chroma", "qwen", "krea2")  # take packed latent tokens
 VIDEO = ("ltx", "hunyuan", "cosmos", "kandinsky", "ltx2", "minimax")
+QUANTIZERS = {"quanto": ("optimum.quanto", "optimum-quanto"), "torchao": ("torchao", "torchao")}  # module, package
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 
 
@@ -183,17 +188,41 @@ def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: 
     return model, lambda: (make(), torch.randn(batch, text_len, text_dim), torch.randn(batch, text_dim))
 
 
-def quantized_lora(model, rank: int = 16) -> None:
-    """A quantized fine-tune, as SimpleTuner users run one: the blocks' Linear weights stored as torchao int8
-    weight-only and frozen, LoRA adapters (peft) on the attention projections training."""
+def quantized_lora(model, rank: int = 16, library: str = "quanto") -> None:
+    """A quantized fine-tune, as SimpleTuner users run one: the blocks' Linear weights stored int8 weight-only per
+    output channel and frozen (optimum-quanto qint8, or torchao's Int8WeightOnlyConfig), LoRA adapters (peft) on
+    the attention projections training. The library is imported here only: optimum.quanto logs a line at import
+    on a machine without CUDA."""
     from peft import LoraConfig
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    in_blocks = lambda module, name: isinstance(module, torch.nn.Linear) and "blocks" in name  # noqa: E731
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=in_blocks)
+    spec, package = QUANTIZERS[library]
+    if importlib.util.find_spec(spec) is None:
+        raise UserError(f"--lora-int8 --quantizer {library} needs {package}: pip install {package}")
+    in_blocks = [name for name, module in model.named_modules()
+                 if isinstance(module, torch.nn.Linear) and "blocks" in name]
+    if library == "quanto":
+        from optimum.quanto import freeze, qint8, quantize
+
+        quantize(model, weights=qint8, include=in_blocks)
+        freeze(model)
+        count_quanto_matmuls()
+    else:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name in in_blocks)
     model.requires_grad_(False)
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
                                  target_modules=["to_q", "to_k", "to_v"]))
+
+
+def count_quanto_matmuls() -> None:
+    """torch's FLOP counter sees quanto's int8 matmul as an op it has no formula for (0 FLOPs): count it as the
+    [tokens, in] x [in, out] matmul it is, so that the FLOP bound counts the base's Linears as with torchao."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    op = torch.ops.quanto.qbytes_mm
+    if op not in flop_registry:
+        register_flop_formula(op)(lambda x, weight, scales, **_: 2 * math.prod(x) * weight[0])
 
 
 def to_markdown(record: dict) -> str:
@@ -202,7 +231,8 @@ def to_markdown(record: dict) -> str:
              "| model | params (M) | blocks | image tokens | batch | unrouted step (ms) | routed step (ms) | speed-up | "
              "FLOP bound | speed-up / bound |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
-        lines.append(f"| {r['arch']} | {r['params_m']:.1f} | {r['blocks']} | {r['tokens']} | {r['batch']} | "
+        model = f"{r['arch']}, {r['base']}" if "base" in r else r["arch"]
+        lines.append(f"| {model} | {r['params_m']:.1f} | {r['blocks']} | {r['tokens']} | {r['batch']} | "
                      f"{r['unrouted_step_s'] * 1e3:.0f} | {r['routed_step_s'] * 1e3:.0f} | {r['speedup']:.3f}x | "
                      f"{r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f} |")
     return "\n".join(lines) + "\n"
@@ -222,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="steps per timed block")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared CPU)")
     p.add_argument("--lora-int8", action="store_true",
-                   help="train LoRA adapters on a torchao int8 weight-only base (needs torchao, peft)")
+                   help="train LoRA adapters on an int8 weight-only base (needs peft and --quantizer's library)")
+    p.add_argument("--quantizer", choices=tuple(QUANTIZERS), default="quanto",
+                   help="--lora-int8's library: optimum-quanto qint8 (in the lora extra) or torchao (in no extra)")
     p.add_argument("--out", default=None, help="JSON record (a .md table beside it)")
     return p
 
@@ -236,10 +268,12 @@ def main(argv=None):
         model, batch = model_and_batch(arch, args.width, args.depth, args.tokens_side, args.batch_size,
                                        frames=args.frames)
         if args.lora_int8:
-            quantized_lora(model)
+            quantized_lora(model, library=args.quantizer)
         optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
         result = routed_vs_unrouted(model, ROUTES, batch, optimizer, rounds=args.rounds, steps=args.steps)
-        rows.append(dict(arch=arch, params_m=sum(q.numel() for q in model.parameters()) / 1e6, blocks=args.depth,
+        base = dict(base=f"int8 ({args.quantizer}) + LoRA") if args.lora_int8 else {}
+        rows.append(dict(arch=arch, **base, params_m=sum(q.numel() for q in model.parameters()) / 1e6,
+                         blocks=args.depth,
                          tokens=args.tokens_side ** 2 * (args.frames if arch in VIDEO else 1), batch=args.batch_size,
                          **result))
         print(f"{arch}: unrouted {result['unrouted_step_s'] * 1e3:.0f} ms, routed {result['routed_step_s'] * 1e3:.0f} ms, "

@@ -1,10 +1,15 @@
 """FLUX Kontext's reference-image tokens (after the target's in hidden_states, img_ids' first coordinate 1, as
-diffusers' FluxKontextPipeline builds them) are never routed, and a TREAD mask covers the target only."""
+diffusers' FluxKontextPipeline builds them) are never routed, and a TREAD mask covers the target only; a compiled
+forward, which cannot read the ids, is given their count and checks it when it runs."""
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
 
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
+from backbones.diffusers_families import check_reference_ids  # noqa: E402
 from diffusers_tiny import B, blocks_of, build, reference_forward  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
@@ -76,17 +81,61 @@ def test_a_mask_covers_the_target_only():
         model(**inputs, tread_mask=torch.zeros(B, N + R, dtype=torch.bool))
 
 
-def test_the_count_can_be_given_and_misplaced_references_are_refused_in_one_line():
+def test_the_count_can_be_given_and_a_wrong_or_misplaced_one_is_refused_in_one_line():
     model, inputs, _ = kontext()
     handle = apply_tread(model, ROUTE)
     model(**inputs, tread_reference_tokens=R)
     assert handle.last_keep[0].max() < N
-    model(**inputs, tread_reference_tokens=0)  # told so, every image token is a candidate
-    assert handle.last_keep[0].shape == (B, (N + R) // 2)
     for bad in (-1, N + R, 1.5, True):
         with pytest.raises(UserError, match="tread_reference_tokens") as err:
             model(**inputs, tread_reference_tokens=bad)
         assert "\n" not in str(err.value)
+    for wrong in (0, R + 1):  # 0 would route the references, R + 1 would take a target token for one
+        with pytest.raises(UserError, match=f"tread_reference_tokens={wrong}, but img_ids has {R} .*"
+                                            f"pass tread_reference_tokens={R}$"):
+            model(**inputs, tread_reference_tokens=wrong)
     ids = inputs["img_ids"].flip(0)  # the reference first: not where diffusers puts it
     with pytest.raises(UserError, match="reference-image tokens as the last"):
         model(**{**inputs, "img_ids": ids})
+
+
+def test_a_compiled_forward_checks_the_reference_count_in_its_graph_and_routes_as_the_eager_one():
+    model, inputs, _ = kontext()
+    handle = apply_tread(model, ROUTE)
+    torch._dynamo.reset()
+    counters["graph_break"].clear()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    with pytest.raises(UserError, match=f"img_ids has {R} FLUX Kontext reference-image tokens .* a compiled "
+                                        f"forward cannot read; pass tread_reference_tokens={R} to the forward$") as err:
+        compiled(**inputs)  # without the count the references would be routed with the target's
+    assert "\n" not in str(err.value)
+    graphs = [counter.frame_count]
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        out = compiled(**inputs, tread_reference_tokens=R)[0]
+        graphs.append(counter.frame_count)
+        keep = handle.last_keep[0].clone()
+        assert keep.shape == (B, N // 2) and keep.max() < N
+        torch.manual_seed(seed)
+        assert torch.equal(model(**inputs, tread_reference_tokens=R)[0], out)  # eager, same draw
+        assert torch.equal(handle.last_keep[0], keep)
+    with pytest.raises(UserError, match=f"tread_reference_tokens={R - 1}, but img_ids has {R}"):
+        compiled(**inputs, tread_reference_tokens=R - 1)
+    # one graph; the count is a constant of the graph, so it compiles once more, and no more after that
+    assert graphs == [1, 2, 2, 2] and sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+
+def test_the_check_reaches_the_caller_as_it_is_through_aot_autograd():
+    """aot_eager traces the op with its fake kernel and runs it inside the compiled graph, as inductor does: the
+    error the caller gets is the one line itself, not a compiler error around it."""
+    ids = kontext()[1]["img_ids"]
+    keep = torch.arange(N // 2).expand(B, -1)
+    torch._dynamo.reset()
+    checked = torch.compile(lambda ids, keep, count: check_reference_ids(ids, keep, count, True) + 0,
+                            backend="aot_eager", fullgraph=True)
+    assert torch.equal(checked(ids, keep, R), keep)
+    with pytest.raises(UserError, match=f"^tread_reference_tokens={R - 1}, but img_ids has {R} .*") as err:
+        checked(ids, keep, R - 1)
+    assert type(err.value) is UserError and "\n" not in str(err.value)
