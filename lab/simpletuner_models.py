@@ -88,15 +88,18 @@ def recorded_selection():
 def replaying_router(module, chosen: list, counts: list, replay=None):
     """SimpleTuner's TREADRouter whose get_mask keeps `chosen`'s indices in turn, placed in its sequence by
     `replay(keep, S, N)` where its sequence holds more than our N routed tokens (lab/simpletuner_families.py), after
-    recording its own count (the rest of its router, start_route and end_route, runs as it is)."""
+    recording its own count and choice (the rest of its router, start_route and end_route, runs as it is)."""
     router = importlib.import_module("simpletuner.helpers.training.tread").TREADRouter(seed=0)  # FLUX.2's file
     own = router.get_mask  # does not import it
 
     def get_mask(x, mask_ratio=0.0, *args, force_keep=None, **kwargs):
         info = own(x, mask_ratio, *args, force_keep=force_keep, **kwargs)
         keep, n = chosen.pop(0)
+        whole = torch.arange(0) if replay is None else replay(keep[:, :0], x.shape[1], n)[0]  # we never route them
         keep = keep.to(x.device) if replay is None else replay(keep, x.shape[1], n).to(x.device)
-        counts.append((info.ids_keep.shape[1], keep.shape[1]))
+        own_kept = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device).scatter(1, info.ids_keep, True)
+        # its own count, the replayed one, and how many of the tokens we pass whole its own choice drops
+        counts.append((info.ids_keep.shape[1], keep.shape[1], int((~own_kept[:, whole.to(x.device)]).sum())))
         kept = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device).scatter(1, keep, True)
         rest = torch.argsort(kept.int(), dim=1, stable=True)[:, :x.shape[1] - keep.shape[1]]
         shuffle = torch.cat([keep, rest], 1)
@@ -268,7 +271,7 @@ def compare_family(name: str, code_dir, layouts: dict = LAYOUTS) -> dict:
                          same=result["error"] is None and diff[0] <= tolerance[0] and diff[1] <= tolerance[1]
                          and result["blocks"][0] == result["blocks"][1]
                          and (bool(extra and "replay" in extra) or name in REPLAY
-                              or all(a == b for a, b in result["counts"]))))
+                              or all(c[0] == c[1] for c in result["counts"]))))
     return dict(family=name, baseline=base, tolerance=tolerance, dropped=dropped, rows=rows,
                 file=f"simpletuner/helpers/models/{FAMILIES[name][0]}.py")
 

@@ -119,7 +119,9 @@ def report_family(result: dict, code_dir) -> list:
             continue
         lines.append(f"  {r['layout']:42s} output {r['diff'][0]:.2g}  gradients {r['diff'][1]:.2g}  kept "
                      f"{[c[0] for c in r['counts']]} / {[c[1] for c in r['counts']]}  blocks {r['blocks'][0]} / "
-                     f"{r['blocks'][1]}  {'same' if r['same'] else 'DIFFERENT'}")
+                     f"{r['blocks'][1]}  {'same' if r['same'] else 'DIFFERENT'}"
+                     + (f"  (its own choice drops {sum(c[2] for c in r['counts'])} of the tokens we never route)"
+                        if any(c[2] for c in r["counts"]) else ""))
     if any(r["error"] for r in result["rows"]):
         lines.append(f"  SimpleTuner fails because {WHY_IT_FAILS.get(result['family'], 'of an error not read yet')}; "
                      f"ours routes there, as the paper's rule asks")

@@ -52,6 +52,7 @@ def test_simpletuner_transformer_gives_our_outputs_and_gradients_on_the_same_kep
             "blocks"][0] == [2, 3]
         kontext = rows["across lists 1..2, Kontext"]  # its own count is over target and references; ours target only
         assert kontext["same"] and kontext["counts"][0][0] != kontext["counts"][0][1]
+        assert kontext["counts"][0][2] > 0  # its own choice drops reference tokens; we never route them
         assert rows["across lists 1..2, Kontext, target mask"]["error"]  # its mask covers the target only
         assert rows["across lists 1..2, Kontext, mask padded"]["same"]
     if name == "wan":  # per-token timesteps: SimpleTuner fails, we route
