@@ -1,7 +1,8 @@
 """The families the SimpleTuner harness (lab/simpletuner_models.py) runs, one entry each, and what it knows of the
 rest: SimpleTuner's file and class per family, our block lists, and the tiny model (tests/diffusers_tiny.py's, so
 the harness and the family checks build the same models); the families both route that cannot be run, and why
-SimpleTuner's file fails where it does (read from its commit bc8e6ab)."""
+SimpleTuner's file fails or differs where it does (read from its commit bc8e6ab, each difference isolated by a run).
+"""
 import torch
 
 from tests import diffusers_tiny
@@ -56,11 +57,12 @@ FAMILIES = {
     "cosmos": ("cosmos/transformer", "CosmosTransformer3DModel", _blocks("cosmos"), tiny("cosmos")),
     "kandinsky": ("kandinsky5_video/transformer_kandinsky5", "Kandinsky5Transformer3DModel", _blocks("kandinsky"),
                   tiny("kandinsky")),
-    # the frame rate given: its RoPE's default is 25 fps in SimpleTuner's copy, 24 in diffusers'
     "flux2": ("flux2/transformer", "Flux2Transformer2DModel", _blocks("flux2"), tiny("flux2")),
+    # the frame rate given: its RoPE's default is 25 fps in SimpleTuner's copy, 24 in diffusers'
     "ltx2": ("ltxvideo2/transformer", "LTX2VideoTransformer3DModel", _blocks("ltx2"),
              with_inputs(tiny("ltx2"), fps=24.0)),
 }
+
 
 # Where SimpleTuner's sequence of S tokens holds more than the N image tokens we route, its router is handed our
 # kept tokens (indices into the N) placed in its sequence, with every other token kept, as ours passes them whole.
@@ -76,6 +78,8 @@ def image_first(keep: torch.Tensor, s: int, n: int) -> torch.Tensor:
 
 REPLAY = {"krea2": text_first,  # every block takes [text, image]
           "zimage": image_first}  # [image, its padding, caption]
+
+
 def _first_sample(inputs: dict) -> dict:
     return {k: v[:1] if torch.is_tensor(v) and v.shape[0] == B else v for k, v in inputs.items()}
 

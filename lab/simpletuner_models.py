@@ -2,11 +2,13 @@
 which blocks each side routes, per family and route layout.
 
 SimpleTuner's `simpletuner/helpers/models/<family>/transformer.py` are diffusers transformers with its TREAD router
-called inside their forward. Each family is built here as a tiny random diffusers model; SimpleTuner's class is
-built from the same config and loaded with the same state dict. Our side routes by `apply_tread(...,
-kept_count="simpletuner")`; every kept-token choice it makes is recorded and replayed into SimpleTuner's router
-(its `get_mask` answers with those indices, after its own count is read), so both run the same tokens and what
-remains to differ is the routing itself: gathering, per-token inputs (RoPE rows), block numbering, rejoining.
+called inside their forward. Each family (lab/simpletuner_families.py) is built as a tiny random diffusers model;
+SimpleTuner's class is built from the same config and loaded with the same state dict, strictly (so it is the same
+architecture). Our side routes by `apply_tread(..., kept_count="simpletuner")`; every kept-token choice it makes is
+recorded and replayed into SimpleTuner's router (its `get_mask` answers with those indices, placed in its sequence
+where that holds tokens we never route, after its own count and choice are read), so both run the same tokens and
+what remains to differ is the routing itself: gathering, per-token inputs (RoPE rows, masks), block numbering,
+rejoining.
 SimpleTuner is imported from the directory the user gives, never copied (AGPL).
 """
 import contextlib
