@@ -41,27 +41,33 @@ def _blocks(name: str) -> tuple:
     return diffusers_tiny.BLOCK_LISTS[name]
 
 
-# name: (SimpleTuner's file under simpletuner/helpers/models/, without .py; its class; our block lists in numbering
-# order; the tiny model and inputs). Every model has four routable blocks (FLUX-like: two lists of two).
+# name: (SimpleTuner's folder under simpletuner/helpers/models/, or folder/file where its file is not transformer.py;
+# its class; our block lists in numbering order; the tiny model and inputs). Every model has four routable blocks
+# (FLUX-like: two lists of two).
 FAMILIES = {
-    "flux": ("flux/transformer", "FluxTransformer2DModel", _blocks("flux"), tiny("flux")),
-    "sd3": ("sd3/transformer", "SD3Transformer2DModel", _blocks("sd3"), tiny("sd3")),
-    "pixart": ("pixart/transformer", "PixArtTransformer2DModel", _blocks("pixart"), tiny("pixart")),
-    "auraflow": ("auraflow/transformer", "AuraFlowTransformer2DModel", _blocks("auraflow"), tiny("auraflow")),
-    "wan": ("wan/transformer", "WanTransformer3DModel", _blocks("wan"), tiny("wan")),
-    "chroma": ("chroma/transformer", "ChromaTransformer2DModel", _blocks("chroma"), tiny("chroma")),
-    "qwen": ("qwen_image/transformer", "QwenImageTransformer2DModel", _blocks("qwen"), _qwen),
-    "ltx": ("ltxvideo/transformer", "LTXVideoTransformer3DModel", _blocks("ltx"), tiny("ltx")),
-    "zimage": ("z_image/transformer", "ZImageTransformer2DModel", _blocks("zimage"), tiny("zimage")),
-    "krea2": ("krea2/transformer", "Krea2Transformer2DModel", _blocks("krea2"), tiny("krea2")),
-    "cosmos": ("cosmos/transformer", "CosmosTransformer3DModel", _blocks("cosmos"), tiny("cosmos")),
+    "flux": ("flux", "FluxTransformer2DModel", _blocks("flux"), tiny("flux")),
+    "sd3": ("sd3", "SD3Transformer2DModel", _blocks("sd3"), tiny("sd3")),
+    "pixart": ("pixart", "PixArtTransformer2DModel", _blocks("pixart"), tiny("pixart")),
+    "auraflow": ("auraflow", "AuraFlowTransformer2DModel", _blocks("auraflow"), tiny("auraflow")),
+    "wan": ("wan", "WanTransformer3DModel", _blocks("wan"), tiny("wan")),
+    "chroma": ("chroma", "ChromaTransformer2DModel", _blocks("chroma"), tiny("chroma")),
+    "qwen": ("qwen_image", "QwenImageTransformer2DModel", _blocks("qwen"), _qwen),
+    "ltx": ("ltxvideo", "LTXVideoTransformer3DModel", _blocks("ltx"), tiny("ltx")),
+    "zimage": ("z_image", "ZImageTransformer2DModel", _blocks("zimage"), tiny("zimage")),
+    "krea2": ("krea2", "Krea2Transformer2DModel", _blocks("krea2"), tiny("krea2")),
+    "cosmos": ("cosmos", "CosmosTransformer3DModel", _blocks("cosmos"), tiny("cosmos")),
     "kandinsky": ("kandinsky5_video/transformer_kandinsky5", "Kandinsky5Transformer3DModel", _blocks("kandinsky"),
                   tiny("kandinsky")),
-    "flux2": ("flux2/transformer", "Flux2Transformer2DModel", _blocks("flux2"), tiny("flux2")),
+    "flux2": ("flux2", "Flux2Transformer2DModel", _blocks("flux2"), tiny("flux2")),
     # the frame rate given: its RoPE's default is 25 fps in SimpleTuner's copy, 24 in diffusers'
-    "ltx2": ("ltxvideo2/transformer", "LTX2VideoTransformer3DModel", _blocks("ltx2"),
+    "ltx2": ("ltxvideo2", "LTX2VideoTransformer3DModel", _blocks("ltx2"),
              with_inputs(tiny("ltx2"), fps=24.0)),
 }
+
+
+def source_file(folder: str) -> str:
+    """The file of a FAMILIES entry under simpletuner/helpers/models/, without .py."""
+    return folder if "/" in folder else f"{folder}/transformer"
 
 
 # Where SimpleTuner's sequence of S tokens holds more than the N image tokens we route, its router is handed our

@@ -24,7 +24,7 @@ import torch
 
 from backbones import diffusers_tread
 from backbones.diffusers_tread import apply_tread
-from lab.simpletuner_families import B, CAUSES, FAMILIES, LEAVES, REPLAY, image_first
+from lab.simpletuner_families import B, CAUSES, FAMILIES, LEAVES, REPLAY, image_first, source_file
 from tests.diffusers_tiny import TOKENS
 
 # Modules SimpleTuner's transformer files import at the top but never call on the path run here (SDPA attention,
@@ -240,7 +240,7 @@ def kontext_cases(inputs: dict, mask: torch.Tensor, layouts: dict) -> dict:
 def compare_family(name: str, code_dir, layouts: dict = LAYOUTS) -> dict:
     """Every layout (and, for FLUX, per-sample masks) for one family: max abs differences against the tolerance
     (ten times each quantity's unrouted difference, at least 1e-6), kept counts and routed blocks of both sides."""
-    module = import_simpletuner(code_dir, FAMILIES[name][0])
+    module = import_simpletuner(code_dir, source_file(FAMILIES[name][0]))
     ours, theirs, inputs, dropped = build_pair(name, module)
     (base_ours, full_ours), (base_theirs, full_theirs) = unrouted(name, ours, inputs), unrouted(name, theirs, inputs)
     base = difference(base_ours, base_theirs)
@@ -275,7 +275,7 @@ def compare_family(name: str, code_dir, layouts: dict = LAYOUTS) -> dict:
                          and (bool(extra and "replay" in extra) or name in REPLAY
                               or all(c[0] == c[1] for c in result["counts"]))))
     return dict(family=name, baseline=base, tolerance=tolerance, dropped=dropped, rows=rows,
-                file=f"simpletuner/helpers/models/{FAMILIES[name][0]}.py")
+                file=f"simpletuner/helpers/models/{source_file(FAMILIES[name][0])}.py")
 
 
 # SimpleTuner's --tread_config strings (it reads one starting with `{` by ast.literal_eval and hands the routes to the
