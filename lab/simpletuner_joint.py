@@ -11,10 +11,11 @@ block lengths are read on axis 0.
 import torch
 
 from backbones.diffusers_tread import apply_tread
-from lab.simpletuner_models import B, FAMILIES, LAYOUTS, build_pair, difference, import_simpletuner, recorded_selection
+from lab.simpletuner_families import FAMILIES, source_file
+from lab.simpletuner_models import B, LAYOUTS, build_pair, difference, import_simpletuner, recorded_selection
 from lab.simpletuner_models import run as harness_run
 
-SEQUENCE_FAMILIES = ("ernie", "minimax")  # the rows of lab/simpletuner_models.FAMILIES this module compares
+SEQUENCE_FAMILIES = ("ernie", "minimax")  # the rows of lab/simpletuner_families.FAMILIES this module compares
 TOKEN_AXIS = {"ernie": 0, "minimax": 1}  # the token axis of the blocks' sequence
 IMAGE_ROWS = {"ernie": lambda inputs: inputs["hidden_states"][0, 0].numel() // 4,  # patch 2
               "minimax": lambda inputs: inputs["hidden_states"].shape[1]}  # every video row: no conditioning rows
@@ -120,7 +121,7 @@ def compare_sequence_family(name: str, code_dir, layouts: dict = LAYOUTS, padded
     the padding while routed): max abs differences against the tolerance (ten times the unrouted difference, at
     least 1e-6), both sides' kept counts (theirs, ours: theirs takes the ratio of the whole sequence) and routed
     blocks."""
-    module = import_simpletuner(code_dir, FAMILIES[name][0])
+    module = import_simpletuner(code_dir, source_file(FAMILIES[name][0]))
     ours, theirs, inputs, dropped = build_pair(name, module)
     base = difference(run(name, ours.train(), inputs), run(name, theirs.train(), inputs))
     tolerance = tuple(max(10 * d, 1e-6) for d in base)
@@ -137,4 +138,4 @@ def compare_sequence_family(name: str, code_dir, layouts: dict = LAYOUTS, padded
                          same=result["error"] is None and diff[0] <= tolerance[0] and diff[1] <= tolerance[1]
                          and result["blocks"][0] == result["blocks"][1]))
     return dict(family=name, baseline=base, tolerance=tolerance, dropped=dropped, rows=rows,
-                file=f"simpletuner/helpers/models/{FAMILIES[name][0]}/transformer.py")
+                file=f"simpletuner/helpers/models/{source_file(FAMILIES[name][0])}.py")

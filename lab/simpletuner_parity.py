@@ -4,13 +4,16 @@
     TREAD_SIMPLETUNER=DIR python -m pytest tests/test_simpletuner_parity.py
 
 DIR is a SimpleTuner checkout or its installed package (PyPI `simpletuner`), imported from DIR at run time, never
-copied (SimpleTuner is AGPL). Two comparisons:
+copied (SimpleTuner is AGPL). Three comparisons:
 - the router (simpletuner/helpers/training/tread.py): for every (N, ratio) pair of a grid, both choose tokens for the
   same batch: `apply_tread(..., kept_count="simpletuner")` must keep as many tokens as `TREADRouter.get_mask`, with
   and without a force-keep mask, and keep every forced token; the pairs where the authors' count differs are listed;
 - the transformers (lab/simpletuner_models.py): per family both route, the same tiny model on both sides fed the same
   kept tokens over several route layouts: outputs, input gradients, kept counts and the blocks each side routes,
-  and SimpleTuner's --tread_config strings against `routes_from_config`. Where SimpleTuner fails, its error is logged.
+  and SimpleTuner's --tread_config strings against `routes_from_config`. Where SimpleTuner fails, its error is logged;
+  where it runs with other values, the causes (lab/simpletuner_families.py, WHY_IT_DIFFERS), each isolated by a row;
+- mask images (lab/simpletuner_masks.py): its model_predict run on the same masks as `mask_to_tokens`, token by token.
+The command exits non-zero when a kept count, a mask token or a family not listed with its causes differs.
 """
 import argparse
 import hashlib
@@ -22,8 +25,10 @@ from pathlib import Path
 import torch
 
 from backbones.diffusers_tread import TreadHandle
+from lab.simpletuner_families import FAMILIES, NOT_COMPARED, WHY_IT_DIFFERS, WHY_IT_FAILS
 from lab.simpletuner_joint import SEQUENCE_FAMILIES, compare_sequence_family
-from lab.simpletuner_models import FAMILIES, NOT_COMPARED, STUBS, WHY_IT_FAILS, compare_configs, compare_family
+from lab.simpletuner_masks import MASK_CODE, OTHER_RULE, compare_masks
+from lab.simpletuner_models import STUBS, compare_configs, compare_family
 from routing_module import num_kept
 from tread_utils.errors import UserError, report_user_errors
 
@@ -115,11 +120,39 @@ def report_family(result: dict, code_dir) -> list:
             continue
         lines.append(f"  {r['layout']:42s} output {r['diff'][0]:.2g}  gradients {r['diff'][1]:.2g}  kept "
                      f"{[c[0] for c in r['counts']]} / {[c[1] for c in r['counts']]}  blocks {r['blocks'][0]} / "
-                     f"{r['blocks'][1]}  {'same' if r['same'] else 'DIFFERENT'}")
+                     f"{r['blocks'][1]}  {'same' if r['same'] else 'DIFFERENT'}"
+                     + (f"  (its own choice drops {sum(c[2] for c in r['counts'])} of the tokens we never route)"
+                        if any(c[2] for c in r["counts"]) else ""))
     if any(r["error"] for r in result["rows"]):
         lines.append(f"  SimpleTuner fails because {WHY_IT_FAILS.get(result['family'], 'of an error not read yet')}; "
                      f"ours routes there, as the paper's rule asks")
+    if result["family"] in WHY_IT_DIFFERS:
+        lines.append(f"  where the kept counts or values differ: {WHY_IT_DIFFERS[result['family']]}")
     return lines
+
+
+def report_masks(rows: list, code_dir) -> list:
+    """The mask-image tokenisation rows, and the count of tokens that differ per family."""
+    files = [f"simpletuner/helpers/models/{MASK_CODE[f][0]}/model.py" for f in dict.fromkeys(r["family"] for r in rows)]
+    lines = ["mask images to force-keep tokens: SimpleTuner's model_predict (run, its transformer a stand-in that "
+             "records force_keep_mask) / ours (read_mask, mask_to_tokens); forced tokens over the batch, differing; "
+             "files: " + ", ".join(f"{f} sha256 {file_hash(code_dir, f)}" for f in files),
+             f"  {'family':7s} {'image':>9s} {'grid':>10s} {'mask':13s} {'form':40s} {'rule':4s} ours theirs differ"]
+    size = lambda r: f"  {r['family']:7s} {'x'.join(map(str, r['size'])):>9s}"  # noqa: E731
+    lines += [f"{size(r)} not run: {r['error']}" if r["error"] else
+              f"{size(r)} {'x'.join(map(str, r['grid'])):>10s} {r['mask']:13s} {r['form']:40s} {r['rule']:4s} "
+              f"{r['ours']:4d} {r['theirs']:6d} {r['differ']:6d} of {r['tokens']}" for r in rows]
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family and not r["error"]]
+        lines.append(f"  {family}: {sum(r['differ'] == 0 for r in mine)} of {len(mine)} cases token-identical, "
+                     f"{sum(r['differ'] for r in mine)} tokens differ" + (f"; {MASK_NOTES[family]}" if family in
+                                                                          MASK_NOTES else ""))
+    return lines
+
+
+_AS_IS = ("its formula reads a [0, 1] image handed to it as it is as [-1, 1] (0 is the middle), so any covered "
+          "pixel keeps the token: our rule 'any', not 'half'")
+MASK_NOTES = {"flux": _AS_IS, "chroma": _AS_IS, "flux2": _AS_IS, **OTHER_RULE}
 
 
 def compare_transformers(code_dir, families) -> tuple:
@@ -128,8 +161,11 @@ def compare_transformers(code_dir, families) -> tuple:
     for name in families:
         result = (compare_sequence_family if name in SEQUENCE_FAMILIES else compare_family)(name, code_dir)
         lines += report_family(result, code_dir)
-        agree &= all(r["same"] for r in result["rows"] if not r["error"])
+        agree &= name in WHY_IT_DIFFERS or all(r["same"] for r in result["rows"] if not r["error"])
     lines += [f"{name}: not compared: {why}" for name, why in NOT_COMPARED.items()]
+    masks = compare_masks(code_dir)
+    lines += report_masks(masks, code_dir)
+    agree &= all(r["differ"] == 0 for r in masks if not r["error"] and r["family"] not in OTHER_RULE)
     lines.append("config strings (SimpleTuner reads them with ast.literal_eval; blocks routed, ours / SimpleTuner's "
                  "FLUX of 2 + 2 blocks):")
     for row in compare_configs(code_dir):
@@ -157,11 +193,12 @@ def main(argv=None):
     router_cls, source = load_router(args.simpletuner)
     result = compare(router_cls)
     lines, agree = compare_transformers(args.simpletuner, families)
-    stubs = ", ".join(f"{m} ({', '.join(n)})" for m, n in STUBS.items())
+    stubs = ", ".join(f"{m} ({', '.join(n)})" for m, n in STUBS.items()
+                      if m in sys.modules and getattr(sys.modules[m], "__file__", None) is None) or "none"
     import diffusers
     text = "\n".join([f"SimpleTuner {version_of(args.simpletuner)}; router: {source}; diffusers "
                       f"{diffusers.__version__}, torch {torch.__version__}", report(result), "",
-                      f"transformers, same kept tokens on both sides (modules stubbed when not installed: {stubs})",
+                      f"transformers, same kept tokens on both sides (modules stubbed, not installed: {stubs})",
                       *lines])
     print(text)
     if args.out:
