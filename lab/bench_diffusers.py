@@ -1,6 +1,6 @@
-"""Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread):
-FLUX and SD3, and FLUX.2, Chroma, Qwen-Image, Z-Image, Krea2, Lumina2, Ernie, LTX-Video, HunyuanVideo, Cosmos,
-Kandinsky 5, LTX-2 and MiniMax H3 (4 frames) at 1,024 image tokens, with the FLOP bound from torch.utils.flop_counter.
+"""Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread),
+one per supported family (ARCHS), at 1,024 image tokens (video: 4 frames of 16 x 16; the default run: FLUX and SD3
+at 256, batch 4), with the FLOP bound from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
     python -m lab.bench_diffusers --archs flux2 chroma qwen --tokens-side 32 --batch-size 2 --rounds 4 \
@@ -25,13 +25,19 @@ Kandinsky 5, LTX-2 and MiniMax H3 (4 frames) at 1,024 image tokens, with the FLO
         --out docs/perf/diffusers_ernie_cpu.json
     python -m lab.bench_diffusers --archs minimax --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
         --out docs/perf/diffusers_minimax_cpu.json
+    python -m lab.bench_diffusers --archs flux sd3 --tokens-side 32 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_1024_cpu.json
+    python -m lab.bench_diffusers --archs pixart auraflow --tokens-side 32 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_classic_cpu.json
+    python -m lab.bench_diffusers --archs wan --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
+        --out docs/perf/diffusers_wan_cpu.json
     python -m lab.bench_diffusers --archs flux --lora-int8 --rounds 4 --out docs/perf/diffusers_flux_int8_lora_cpu.json
     python -m lab.bench_diffusers --archs flux --lora-int8 --quantizer torchao --rounds 4 \
         --out docs/perf/diffusers_flux_int8_torchao_lora_cpu.json
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights (with --lora-int8: over
-the LoRA adapters of an int8 base), on random latents and text tokens. Routed and unrouted steps are timed in alternating blocks (`--rounds` x `--steps`) so that both see
-the same load on a shared machine, and the medians are compared: speed-up = unrouted / routed, bound =
+the LoRA adapters of an int8 base), on random latents and text tokens. Routed and unrouted steps are timed in
+alternating blocks (`--rounds` x `--steps`) so that both see the same load on a shared machine, and the medians are compared: speed-up = unrouted / routed, bound =
 FLOPs unrouted / FLOPs routed, and their ratio (1.0: routing saves all the time its FLOPs promise). The route
 is SimpleTuner's balanced one, {selection_ratio 0.5, start 2, end -2}. The record notes the machine's load.
 """
@@ -50,7 +56,19 @@ from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unroute
 from tread_utils.errors import UserError, report_user_errors
 
 PACKED = ("flux", "flux2", "chroma", "qwen", "krea2")  # take packed latent tokens
-VIDEO = ("ltx", "hunyuan", "cosmos", "kandinsky", "ltx2", "minimax")
+VIDEO = ("wan", "ltx", "hunyuan", "cosmos", "kandinsky", "ltx2", "minimax")
+CLASSIC = ("pixart", "auraflow")  # take latents [B, C, H, W], patch 2
+# each --archs name: the family it builds, as docs/diffusers.md and the README name it, and its diffusers class
+ARCHS = {"flux": ("FLUX", "FluxTransformer2DModel"), "flux2": ("FLUX.2", "Flux2Transformer2DModel"),
+         "chroma": ("Chroma", "ChromaTransformer2DModel"), "qwen": ("Qwen-Image", "QwenImageTransformer2DModel"),
+         "krea2": ("Krea2", "Krea2Transformer2DModel"), "sd3": ("SD3", "SD3Transformer2DModel"),
+         "pixart": ("PixArt", "PixArtTransformer2DModel"), "auraflow": ("AuraFlow", "AuraFlowTransformer2DModel"),
+         "zimage": ("Z-Image", "ZImageTransformer2DModel"), "lumina2": ("Lumina2", "Lumina2Transformer2DModel"),
+         "ernie": ("Ernie", "ErnieImageTransformer2DModel"), "wan": ("Wan", "WanTransformer3DModel"),
+         "ltx": ("LTX-Video", "LTXVideoTransformer3DModel"),
+         "hunyuan": ("HunyuanVideo", "HunyuanVideoTransformer3DModel"),
+         "cosmos": ("Cosmos", "CosmosTransformer3DModel"), "kandinsky": ("Kandinsky 5", "Kandinsky5Transformer3DModel"),
+         "ltx2": ("LTX-2", "LTX2VideoTransformer3DModel"), "minimax": ("MiniMax H3", "MiniMaxH3Transformer3DModel")}
 QUANTIZERS = {"quanto": ("optimum.quanto", "optimum-quanto"), "torchao": ("torchao", "torchao")}  # module, package
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 
@@ -84,7 +102,7 @@ def random_packed(arch: str, channels: int, width: int, depth: int, text_dim: in
 
 
 def random_video(arch: str, channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
-    """A random LTX-Video or Cosmos (all blocks alike), LTX-2 (an audio stream of width 64 beside the video),
+    """A random Wan, LTX-Video or Cosmos (all blocks alike), LTX-2 (an audio stream of width 64 beside the video),
     HunyuanVideo (a quarter dual-stream) or Kandinsky 5 (one text block before the video blocks) transformer,
     head_dim 64."""
     import diffusers
@@ -107,6 +125,10 @@ def random_video(arch: str, channels: int, width: int, depth: int, text_dim: int
                                                   num_attention_heads=width // 64, attention_head_dim=64,
                                                   num_layers=depth, text_embed_dim=text_dim, adaln_lora_dim=width,
                                                   max_size=(16, 128, 128), concat_padding_mask=False)
+    if arch == "wan":
+        return diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=width // 64,
+                                               attention_head_dim=64, in_channels=channels, out_channels=channels,
+                                               text_dim=text_dim, ffn_dim=4 * width, num_layers=depth)
     if arch == "hunyuan":
         return diffusers.HunyuanVideoTransformer3DModel(
             in_channels=channels, out_channels=channels, num_attention_heads=width // 64, attention_head_dim=64,
@@ -115,6 +137,23 @@ def random_video(arch: str, channels: int, width: int, depth: int, text_dim: int
     return diffusers.LTXVideoTransformer3DModel(in_channels=channels, out_channels=channels,
                                                 num_attention_heads=width // 64, attention_head_dim=64,
                                                 cross_attention_dim=width, num_layers=depth, caption_channels=text_dim)
+
+
+def random_classic(arch: str, channels: int, width: int, depth: int, text_dim: int, side: int, seed: int = 0):
+    """A random PixArt (cross-attention to text, every block alike) or AuraFlow (a quarter joint blocks, the rest
+    single-stream) transformer over a side x side latent, patch 2, head_dim 64, predicting `channels` channels."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    common = dict(sample_size=side, patch_size=2, in_channels=channels, out_channels=channels,
+                  attention_head_dim=64, num_attention_heads=width // 64)
+    if arch == "pixart":
+        return diffusers.PixArtTransformer2DModel(num_layers=depth, cross_attention_dim=width,
+                                                  caption_channels=text_dim, norm_type="ada_norm_single",
+                                                  use_additional_conditions=False, **common)
+    return diffusers.AuraFlowTransformer2DModel(num_mmdit_layers=depth // 4, num_single_dit_layers=depth - depth // 4,
+                                                joint_attention_dim=text_dim, caption_projection_dim=width,
+                                                pos_embed_max_size=(side // 2) ** 2, **common)
 
 
 def random_zimage(channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
@@ -183,6 +222,7 @@ def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: 
         side = tokens_side * 2  # patch 2
         model = (random_zimage(channels, width, depth, text_dim) if arch == "zimage"
                  else random_lumina2(channels, width, depth, text_dim) if arch == "lumina2"
+                 else random_classic(arch, channels, width, depth, text_dim, side) if arch in CLASSIC
                  else random_sd3(channels, width, width // 64, depth, text_dim, side))
         make = lambda: torch.randn(batch, channels, side, side)  # noqa: E731
     return model, lambda: (make(), torch.randn(batch, text_len, text_dim), torch.randn(batch, text_dim))
@@ -240,8 +280,7 @@ def to_markdown(record: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", nargs="+", choices=(*PACKED, "sd3", *VIDEO, "zimage", "lumina2", "ernie"),
-                   default=("flux", "sd3"))
+    p.add_argument("--archs", nargs="+", choices=tuple(ARCHS), default=("flux", "sd3"))
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=8,
                    help="blocks (FLUX, FLUX.2, Chroma: a quarter dual-stream, the rest single)")

@@ -32,14 +32,16 @@ def sequence_rows(name: str, keep: torch.Tensor, length: int, image: int) -> tor
 
 def replaying_sequence_router(module, name: str, chosen: list, counts: list, image: int):
     """SimpleTuner's TREADRouter whose get_mask keeps `chosen`'s rows (as block-sequence positions) in turn, after
-    recording its own count."""
+    recording its own count, the replayed one, and how many of the rows we pass whole its own choice drops."""
     router = module.TREADRouter(seed=0)
     own = router.get_mask
 
     def get_mask(x, mask_ratio=0.0, *args, force_keep=None, **kwargs):
         info = own(x, mask_ratio, *args, force_keep=force_keep, **kwargs)
-        keep = sequence_rows(name, chosen.pop(0).to(x.device), x.shape[1], image)
-        counts.append((info.ids_keep.shape[1], keep.shape[1]))
+        ours = chosen.pop(0)[0].to(x.device)
+        keep, whole = (sequence_rows(name, k, x.shape[1], image) for k in (ours, ours[:, :0]))
+        own_kept = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device).scatter(1, info.ids_keep, True)
+        counts.append((info.ids_keep.shape[1], keep.shape[1], int((~own_kept.gather(1, whole)).sum())))
         kept = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device).scatter(1, keep, True)
         rest = torch.argsort(kept.int(), dim=1, stable=True)[:, :x.shape[1] - keep.shape[1]]
         shuffle = torch.cat([keep, rest], 1)
@@ -59,25 +61,9 @@ def sequence_lengths(name: str, model) -> tuple:
     return seen, hooks
 
 
-class _TextAs:
-    """Ernie under the harness's `run`, whose text leaf is `encoder_hidden_states`: Ernie calls its text `text_bth`."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, encoder_hidden_states, **inputs):
-        return self.model(text_bth=encoder_hidden_states, **inputs)
-
-    def zero_grad(self, **kwargs):
-        self.model.zero_grad(**kwargs)
-
-
 def run(name: str, model, inputs: dict):
     """The harness's `run`: the output and the input gradients (latents, text) of a fixed random projection."""
-    if name == "ernie":
-        inputs = {"encoder_hidden_states" if k == "text_bth" else k: v for k, v in inputs.items()}
-        model = _TextAs(model)
-    return harness_run(model, inputs)
+    return harness_run(model, inputs, ("hidden_states", "text_bth" if name == "ernie" else "encoder_hidden_states"))
 
 
 def routed_blocks(name: str, model, inputs: dict, call) -> tuple:

@@ -262,27 +262,61 @@ def test_h100_table_is_the_benchmark_json():
     assert all(r["max_abs_output_difference"] == 0 for r in bench["training"] if r["code"] == "paper")
 
 
+def diffusers_bench_rows() -> dict:
+    """The committed `lab.bench_diffusers` rows at 1,024 image tokens, batch 2 (its family records), by arch."""
+    rows = {}
+    for path in sorted(PERF.glob("diffusers_*_cpu.json")):
+        for r in json.loads(path.read_text())["rows"]:
+            if r["tokens"] == 1024 and r["batch"] == 2 and "lora" not in path.name:
+                assert r["arch"] not in rows, f"{r['arch']} is benched at 1,024 tokens twice"
+                rows[r["arch"]] = dict(r, file=path.name)
+    return rows
+
+
 def test_diffusers_table_is_the_benchmark_json():
-    bench = json.loads((PERF / "diffusers_cpu.json").read_text())
-    runs = {r["arch"]: r for r in bench["rows"]}
+    """The README's diffusers table: a row per family apply_tread supports, each from its committed bench record."""
+    from backbones.diffusers_families import FAMILIES
+    from backbones.diffusers_tread import apply_tread  # noqa: F401  (importing registers every family)
+    from lab.bench_diffusers import ARCHS
+
+    assert {cls for _, cls in ARCHS.values()} == set(FAMILIES), "lab.bench_diffusers.ARCHS names every family"
+    bench = diffusers_bench_rows()
+    assert set(bench) == set(ARCHS), "every family is benched at 1,024 tokens"
+    runs = {name: bench[arch] for arch, (name, _) in ARCHS.items()}
     log = (PERF / "finetune_lora_digits.log").read_text()
-    m = re.search(r"step time: unrouted (\d+) ms, routed (\d+) ms .*speed-up ([\d.]+)x, FLOP bound ([\d.]+)x .*"
-                  r"speed-up / bound ([\d.]+)", log)
-    runs["flux, the example (LoRA)"] = dict(arch="example", unrouted_step_s=float(m[1]) / 1000,
-                                            routed_step_s=float(m[2]) / 1000, speedup=float(m[3]),
-                                            flop_bound=float(m[4]), speedup_vs_bound=float(m[5]))
+    m = re.search(r"tokens (\d+), batch (\d+).*\n(?:.*\n)*step time: unrouted (\d+) ms, routed (\d+) ms .*speed-up "
+                  r"([\d.]+)x, FLOP bound ([\d.]+)x .*speed-up / bound ([\d.]+)", log)
+    runs["FLUX, the LoRA example"] = dict(arch="example", tokens=int(m[1]), unrouted_step_s=float(m[3]) / 1000,
+                                          routed_step_s=float(m[4]) / 1000, speedup=float(m[5]),
+                                          flop_bound=float(m[6]), speedup_vs_bound=float(m[7]))
     losses = [float(v) for v in re.findall(r"eval loss \(unrouted, held-out\) ([\d.]+)", log)]
     assert len(losses) >= 2 and losses[-1] < losses[0] / 2, losses  # the example learns
-    rows = table(README, "| architecture | unrouted step (ms) |")
-    assert {row["architecture"] for row in rows} == set(runs)
+    rows = table(README, "| family | image tokens | unrouted step (ms) |")
+    assert [row["family"] for row in rows] == list(runs)
     for row in rows:
-        run = runs[row["architecture"]]
+        run = runs[row["family"]]
+        assert row["image tokens"] == str(run["tokens"]), row
         assert_close(row["unrouted step (ms)"], run["unrouted_step_s"] * 1000, f"{run['arch']} unrouted step")
         assert_close(row["routed step (ms)"], run["routed_step_s"] * 1000, f"{run['arch']} routed step")
         assert_close(row["speed-up"], run["speedup"], f"{run['arch']} speed-up")
         assert_close(row["FLOP bound"], run["flop_bound"], f"{run['arch']} FLOP bound")
         assert_close(row["speed-up / bound"], run["speedup_vs_bound"], f"{run['arch']} speed-up / bound")
-    assert "python -m lab.bench_diffusers --out diffusers_cpu.json" in README and "`docs/perf/diffusers_cpu.json`" in README
+    commands = re.sub(r"\\\n\s*", "", README)  # continued lines joined
+    for command in ("--archs flux flux2 chroma qwen krea2 sd3 pixart auraflow zimage lumina2 ernie --tokens-side 32",
+                    "--archs wan ltx hunyuan cosmos kandinsky ltx2 minimax --tokens-side 16 --frames 4"):
+        assert f"python -m lab.bench_diffusers {command}" in commands
+
+
+def test_diffusers_family_table_is_the_benchmark_json():
+    """docs/diffusers.md's family table: a row per family, its CPU speed-up / bound from the committed record."""
+    from lab.bench_diffusers import ARCHS
+
+    bench = diffusers_bench_rows()
+    rows = table((REPO / "docs" / "diffusers.md").read_text(), "| family | block lists, in route-index order |")
+    by_class = {row["family"].split("`")[1]: row for row in rows}
+    assert set(by_class) == {cls for _, cls in ARCHS.values()}
+    for arch, (_, cls) in ARCHS.items():
+        assert_close(by_class[cls]["CPU speed-up / bound"], bench[arch]["speedup_vs_bound"], f"{arch} speed-up / bound")
 
 
 def test_route_probe_table_is_the_validation_json():

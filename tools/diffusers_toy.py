@@ -96,6 +96,8 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
         lengths = text.shape[1] - 4 * (torch.arange(len(t), device=text.device) % 2)
         return dict(hidden_states=x_t, timestep=t, encoder_hidden_states=text,
                     encoder_attention_mask=torch.arange(text.shape[1], device=text.device)[None] < lengths[:, None])
+    if name in ("PixArtTransformer2DModel", "AuraFlowTransformer2DModel", "WanTransformer3DModel"):  # latents, t * 1000
+        return dict(hidden_states=x_t, encoder_hidden_states=text, timestep=t * 1000)
     if name == "SD3Transformer2DModel":
         return dict(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=t * 1000)
     if name == "LTX2VideoTransformer3DModel":  # video latents as tokens beside 16 random audio tokens, t * 1000
