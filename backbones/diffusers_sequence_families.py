@@ -16,8 +16,8 @@ tables of backbones/diffusers_families.py (whose docstring says what a Family ho
   `index_select`), so only rows that share one index can be routed per sample: the target's do, the conditioning
   video rows (at their own timestep) do not. Its RoPE (cos, sin) [S, rotary_dim] has no batch dimension: a routed
   block gets each sample's leading rows and kept target rows. Under torch.compile the rows are not read (that is
-  data-dependent): every video row is taken as the target, and a run-time assertion stops a forward whose video
-  rows are not the trailing rows at one timestep (a layout with conditioning rows: run it eagerly).
+  data-dependent): every video row is taken as the target, and `check_target_rows`, run when the graph runs, stops a
+  forward whose video rows are not the trailing rows at one timestep (a layout with conditioning rows: run it eagerly).
 """
 import torch
 
@@ -84,17 +84,32 @@ def _minimax_grid(transformer, kw: dict) -> tuple:
     return tuple(int(ids[:, axis].unique().numel()) for axis in range(3))
 
 
+@torch.library.custom_op("tread::check_target_rows", mutates_args=())
+def check_target_rows(index: torch.Tensor, lead: int, kept: int) -> torch.Tensor:
+    """The modulation index [S] of the `lead` leading rows and `kept` target rows, once the rows after `lead` are
+    checked to be one target video (one index, a video row's). An op is opaque to torch.compile: a compiled
+    forward, which takes every video row as the target without reading the rows, runs this check on their values
+    when it runs, inside its graph; the index it returns is the one the routed blocks use."""
+    if not bool((index[lead:] == index[-1]).all()) or int(index[-1]) % MODALITIES != 0:
+        raise UserError(f"{TARGET_LAYOUT}; these are not: with conditioning rows, run the routed model without "
+                        f"torch.compile")
+    return index[:lead + kept].clone()
+
+
+@check_target_rows.register_fake
+def _(index: torch.Tensor, lead: int, kept: int) -> torch.Tensor:
+    return index.new_empty(lead + kept)
+
+
 def _minimax_narrow(kw: dict, keep: torch.Tensor) -> None:
     """Each sample's leading rows and kept target rows of the RoPE (cos, sin) [S, rotary_dim]; the modulation index
     [S] keeps its leading rows and as many target rows as are kept (the target's rows share one index)."""
     lead = kw["hidden_states"].shape[1] - keep.shape[1]
     index = kw["adaln_indices"]
-    if torch.compiler.is_compiling():  # the rows taken as the target share one index, and it is a video row's
-        torch._assert_async((index[lead:] == index[-1]).all() & (index[-1] % MODALITIES == 0),
-                            f"{TARGET_LAYOUT}; with conditioning rows, run the routed model without torch.compile")
     positions = torch.cat([torch.arange(lead, device=keep.device).expand(keep.shape[0], -1), lead + keep], 1)
     kw["rotary_emb"] = tuple(RowsRope(table[positions.to(table.device)]) for table in kw["rotary_emb"])
-    kw["adaln_indices"] = index[:lead + keep.shape[1]]
+    kw["adaln_indices"] = (check_target_rows(index, lead, keep.shape[1]) if torch.compiler.is_compiling()
+                           else index[:lead + keep.shape[1]])  # eager: the rows were read by _minimax_lead
 
 
 SEQUENCE_FAMILIES = {
