@@ -1,4 +1,4 @@
-"""The ImageNet path offline, at toy scale, as the README gives it: a random-weight SD-VAE, extraction, a
+"""The ImageNet path offline, at toy scale, as docs/training.md gives it: a random-weight SD-VAE, extraction, a
 random-network reference, training with the smoke in-training FID, sample.py, the evaluator. And the
 offline refusals of the configuration check: one line, in seconds, before the run folder exists."""
 import json
@@ -26,12 +26,13 @@ def run(tmp_path, *args, check=True, **env):
     return proc
 
 
-TOY = "/tmp/tread-toy"  # the README's folder, here a test's own
+TOY = "/tmp/tread-toy"  # the docs' folder, here a test's own
 
 
-def readme_commands(root) -> list:
-    """The README's offline block (the bash block that makes /tmp/tread-toy/vae), as argument lists in `root`."""
-    text = (REPO / "README.md").read_text()
+def offline_commands(root) -> list:
+    """docs/training.md's offline block (the bash block that makes /tmp/tread-toy/vae), as argument lists in
+    `root`."""
+    text = (REPO / "docs" / "training.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if f"{TOY}/vae" in b)
     lines = block.replace("\\\n", " ").replace(TOY, str(root)).splitlines()
     return [[a for a in shlex.split(line) if not a.startswith("HF_HUB_OFFLINE=")][1:] for line in lines if line.strip()]
@@ -39,10 +40,10 @@ def readme_commands(root) -> list:
 
 @pytest.fixture(scope="module")
 def latents(tmp_path_factory):
-    """The README's first three steps: a random SD-VAE and 8 random images, their latents at 64 x 64 (8 x 8
+    """The offline block's first three steps: a random SD-VAE and 8 random images, their latents at 64 x 64 (8 x 8
     latents), a random-network reference."""
     tmp = tmp_path_factory.mktemp("imagenet")
-    commands = readme_commands(tmp)
+    commands = offline_commands(tmp)
     assert [c[:2] for c in commands] == [["-m", "tools.make_random_sdvae"], ["-m", "data.extract_latents"],
                                          ["fid.py", "ref"], ["train.py", "dataset=imagenet256"],
                                          ["sample.py", f"ckpt={tmp}/runs/toy"],
@@ -64,11 +65,11 @@ def train_args(tmp, results, *extra):
 
 
 def test_offline_imagenet_path_end_to_end(latents):
-    """The README's offline block runs as written: training, sampling and the evaluator after the fixture."""
+    """docs/training.md's offline block runs as written: training, sampling and the evaluator after the fixture."""
     tmp = latents
     manifest = json.loads((tmp / "latents" / "manifest.json").read_text())
     assert manifest["vae"] == str(tmp / "vae") and manifest["latent_shape"] == [2, 8, 8, 8]
-    train, sample, evaluate = readme_commands(tmp)[3:]
+    train, sample, evaluate = offline_commands(tmp)[3:]
 
     trained = run(tmp, *train)
     out = trained.stdout + trained.stderr
