@@ -2,44 +2,17 @@
 one per supported family (ARCHS), at 1,024 image tokens (video: 4 frames of 16 x 16; the default run: FLUX and SD3
 at 256, batch 4), with the FLOP bound from torch.utils.flop_counter.
 
-    python -m lab.bench_diffusers --out docs/perf/diffusers_cpu.json    # also writes docs/perf/diffusers_cpu.md
-    python -m lab.bench_diffusers --archs flux2 chroma qwen --tokens-side 32 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_families_cpu.json
-    python -m lab.bench_diffusers --archs ltx --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_video_cpu.json
-    python -m lab.bench_diffusers --archs hunyuan --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_hunyuan_cpu.json
-    python -m lab.bench_diffusers --archs zimage --tokens-side 32 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_zimage_cpu.json
-    python -m lab.bench_diffusers --archs krea2 --tokens-side 32 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_krea2_cpu.json
-    python -m lab.bench_diffusers --archs lumina2 --tokens-side 32 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_lumina2_cpu.json
-    python -m lab.bench_diffusers --archs cosmos --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_cosmos_cpu.json
-    python -m lab.bench_diffusers --archs kandinsky --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_kandinsky_cpu.json
-    python -m lab.bench_diffusers --archs ltx2 --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_ltx2_cpu.json
-    python -m lab.bench_diffusers --archs ernie --tokens-side 32 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_ernie_cpu.json
-    python -m lab.bench_diffusers --archs minimax --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_minimax_cpu.json
-    python -m lab.bench_diffusers --archs flux sd3 --tokens-side 32 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_1024_cpu.json
-    python -m lab.bench_diffusers --archs pixart auraflow --tokens-side 32 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_classic_cpu.json
-    python -m lab.bench_diffusers --archs wan --tokens-side 16 --frames 4 --batch-size 2 --rounds 4 \
-        --out docs/perf/diffusers_wan_cpu.json
-    python -m lab.bench_diffusers --archs flux --lora-int8 --rounds 4 --out docs/perf/diffusers_flux_int8_lora_cpu.json
-    python -m lab.bench_diffusers --archs flux --lora-int8 --quantizer torchao --rounds 4 \
-        --out docs/perf/diffusers_flux_int8_torchao_lora_cpu.json
+    python -m lab.bench_diffusers --out diffusers_cpu.json    # FLUX and SD3 at 256 tokens; a .md table beside it
+
+Each committed record under docs/perf/diffusers_*_cpu.json names the command that made it (its `command`);
+docs/diffusers.md gives them beside their tables.
 
 A step is the flow-matching loss forward, backward and an AdamW step over all weights (with --lora-int8: over
 the LoRA adapters of an int8 base), on random latents and text tokens. Routed and unrouted steps are timed in
-alternating blocks (`--rounds` x `--steps`) so that both see the same load on a shared machine, and the medians are compared: speed-up = unrouted / routed, bound =
-FLOPs unrouted / FLOPs routed, and their ratio (1.0: routing saves all the time its FLOPs promise). The route
-is SimpleTuner's balanced one, {selection_ratio 0.5, start 2, end -2}. The record notes the machine's load.
+alternating blocks (`--rounds` x `--steps`) so that both see the same load on a shared machine, and the medians
+are compared: speed-up = unrouted / routed, bound = FLOPs unrouted / FLOPs routed, and their ratio (1.0: routing
+saves all the time its FLOPs promise). The route is SimpleTuner's balanced one, {selection_ratio 0.5, start 2,
+end -2}. The record notes the machine's load.
 """
 import argparse
 import importlib.util

@@ -113,7 +113,9 @@ def image_first(keep: torch.Tensor, s: int, n: int) -> torch.Tensor:
 
 
 REPLAY = {"krea2": text_first,  # every block takes [text, image]
-          "zimage": image_first}  # [image, its padding, caption]
+          "zimage": image_first,  # [image, its padding, caption]
+          "ernie": image_first,  # [image, text]
+          "minimax": text_first}  # [text, audio, target video]
 
 
 def _first_sample(inputs: dict) -> dict:

@@ -3,53 +3,21 @@ lab/simpletuner_models.py, for the two families whose SimpleTuner file selects o
 
 SimpleTuner's Ernie and MiniMax H3 call its router's `get_mask` on every row of the blocks' sequence, with the text
 (Ernie) or every row not tagged video (MiniMax H3) forced kept. `apply_tread` selects among the image (target video)
-rows only. Our kept rows are replayed into its `get_mask` as block-sequence positions, in the order our routed blocks
-hold them (Ernie: the kept image rows, then the text; MiniMax H3: the leading rows, then the kept target rows), so
-both run the same rows; its own count is recorded beside ours. Ernie's blocks are sequence-first ([S, B, D]): the
-block lengths are read on axis 0.
+rows only. Our kept rows are replayed into its `get_mask` as block-sequence positions, in the order our routed
+blocks hold them (lab/simpletuner_families.REPLAY: Ernie's kept image rows, then the text; MiniMax H3's leading
+rows, then the kept target rows), so both run the same rows; its own count is recorded beside ours. Ernie's blocks
+are sequence-first ([S, B, D]): the block lengths are read on axis 0.
 """
 import torch
 
 from backbones.diffusers_tread import apply_tread
-from lab.simpletuner_families import FAMILIES, source_file
-from lab.simpletuner_models import B, LAYOUTS, build_pair, difference, import_simpletuner, recorded_selection
+from lab.simpletuner_families import FAMILIES, REPLAY, source_file
+from lab.simpletuner_models import (B, LAYOUTS, build_pair, difference, import_simpletuner, recorded_selection,
+                                    replaying_router)
 from lab.simpletuner_models import run as harness_run
 
 SEQUENCE_FAMILIES = ("ernie", "minimax")  # the rows of lab/simpletuner_families.FAMILIES this module compares
 TOKEN_AXIS = {"ernie": 0, "minimax": 1}  # the token axis of the blocks' sequence
-IMAGE_ROWS = {"ernie": lambda inputs: inputs["hidden_states"][0, 0].numel() // 4,  # patch 2
-              "minimax": lambda inputs: inputs["hidden_states"].shape[1]}  # every video row: no conditioning rows
-
-
-def sequence_rows(name: str, keep: torch.Tensor, length: int, image: int) -> torch.Tensor:
-    """Our kept rows [B, K] of the `image` routed rows as positions in the block sequence of `length` rows, in our
-    routed blocks' order."""
-    if name == "ernie":  # [image, text]
-        return torch.cat([keep, torch.arange(image, length, device=keep.device).expand(len(keep), -1)], 1)
-    lead = length - image  # [text, audio, target video]
-    return torch.cat([torch.arange(lead, device=keep.device).expand(len(keep), -1), lead + keep], 1)
-
-
-def replaying_sequence_router(module, name: str, chosen: list, counts: list, image: int):
-    """SimpleTuner's TREADRouter whose get_mask keeps `chosen`'s rows (as block-sequence positions) in turn, after
-    recording its own count, the replayed one, and how many of the rows we pass whole its own choice drops."""
-    router = module.TREADRouter(seed=0)
-    own = router.get_mask
-
-    def get_mask(x, mask_ratio=0.0, *args, force_keep=None, **kwargs):
-        info = own(x, mask_ratio, *args, force_keep=force_keep, **kwargs)
-        ours = chosen.pop(0)[0].to(x.device)
-        keep, whole = (sequence_rows(name, k, x.shape[1], image) for k in (ours, ours[:, :0]))
-        own_kept = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device).scatter(1, info.ids_keep, True)
-        counts.append((info.ids_keep.shape[1], keep.shape[1], int((~own_kept.gather(1, whole)).sum())))
-        kept = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device).scatter(1, keep, True)
-        rest = torch.argsort(kept.int(), dim=1, stable=True)[:, :x.shape[1] - keep.shape[1]]
-        shuffle = torch.cat([keep, rest], 1)
-        return type(info)(~kept, keep, rest, shuffle, torch.argsort(shuffle, dim=1))
-    router.get_mask = get_mask
-    return router
-
-
 def sequence_lengths(name: str, model) -> tuple:
     """A hook per block recording the length of the token sequence it is given."""
     seen, hooks = {}, []
@@ -83,7 +51,7 @@ def routed_blocks(name: str, model, inputs: dict, call) -> tuple:
 
 
 def compare_layout(name: str, ours, theirs, module, inputs: dict, routes: list) -> dict:
-    counts, image = [], IMAGE_ROWS[name](inputs)
+    counts = []
     with recorded_selection() as chosen:
         handle = apply_tread(ours, {"routes": routes}, kept_count="simpletuner")
         try:
@@ -91,7 +59,7 @@ def compare_layout(name: str, ours, theirs, module, inputs: dict, routes: list) 
             mine, ours_blocks = routed_blocks(name, ours, inputs, lambda: run(name, ours, inputs))
         finally:
             handle.remove()
-    theirs.set_router(replaying_sequence_router(module, name, list(chosen), counts, image), routes)
+    theirs.set_router(replaying_router(module, list(chosen), counts, REPLAY[name]), routes)
     try:
         other, their_blocks = routed_blocks(name, theirs, inputs, lambda: run(name, theirs, inputs))
         error = None
