@@ -18,10 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
-from timm.layers import Mlp, PatchEmbed
 from torch.utils.checkpoint import checkpoint
 
-from backbones import modulate
+from backbones import Mlp, modulate
 from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
 import routing_module
@@ -29,6 +28,21 @@ from routing_module import TokenRouter, as_routes, autocast_on, is_number
 from tread_utils.errors import UserError
 from tread_utils.hub import (CONFIG_NAME, WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_config,
                              read_weights, refuse_missing_folder)
+
+
+class PatchEmbed(nn.Module):
+    """Latent image [B, C, H, W] -> patch tokens [B, (H/p)(W/p), D] by a strided convolution (timm's
+    `PatchEmbed` as DiT uses it: the same `proj` parameter, so checkpoints match the authors')."""
+
+    def __init__(self, img_size, patch_size, in_channels, hidden_size):
+        super().__init__()
+        self.img_size = (img_size, img_size)
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
 
 
 class TimestepEmbedder(nn.Module):
@@ -89,7 +103,7 @@ class DiTBlock(nn.Module):
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, x, c):
@@ -135,7 +149,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         self.num_heads = num_heads
         self.num_classes = num_classes
         self.grad_checkpointing = grad_checkpointing
-        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size)
         grid = self.x_embedder.grid_size[0]

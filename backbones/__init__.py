@@ -1,10 +1,28 @@
 """Block families beside DiT's attention block (`dit.py` builds every model and holds the registry):
 `ssm` (diffusion state-space blocks, "DiS"); `sprint`, the fusion module (mask token, 2C -> C projection) of a
 route with `fusion: sprint`; `diffusers_tread`, TREAD routes on diffusers transformers
-(`from backbones import apply_tread`). Here: `modulate`, the adaLN conditioning every block family shares."""
+(`from backbones import apply_tread`). Here: what every block family shares, `modulate` (the adaLN
+conditioning) and `Mlp`."""
+import torch.nn as nn
+
 from backbones.diffusers_tread import apply_tread  # noqa: F401
 
 
 def modulate(x, shift, scale):
     """adaLN: x * (1 + scale) + shift, per sample (x [B, N, C]; shift, scale [B, C])."""
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class Mlp(nn.Module):
+    """The block's two-layer MLP with tanh GELU, as DiT builds it with timm's `Mlp`: the same parameter names
+    (`fc1`, `fc2`) and the same initialisation order, so checkpoints and seeded models match the authors'. Written
+    here because importing timm costs every command about two seconds (it loads torchvision's model zoo)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))

@@ -13,9 +13,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Mlp
 
-from backbones import modulate
+from backbones import Mlp, modulate
 
 
 class BidirectionalSSM(nn.Module):
@@ -57,7 +56,7 @@ class SSMBlock(nn.Module):
         self.ssm = BidirectionalSSM(hidden_size, state_size)
         self.out_proj = nn.Linear(hidden_size, hidden_size)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
     def forward(self, x, c):

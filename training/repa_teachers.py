@@ -11,11 +11,9 @@
 """
 from pathlib import Path
 
-import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from evaluations.digits_classifier import RESOLUTION as DIGITS_RESOLUTION
 from evaluations.digits_classifier import DigitsClassifier, load_digits_classifier
@@ -53,6 +51,9 @@ class DinoV2Teacher(nn.Module):
 
     def __init__(self, weights=None, load: bool = True):
         """`load=False`: random weights (tests, FLOP counts on the meta device)."""
+        import timm  # here, not at the top: timm loads torchvision's model zoo, two seconds on every command
+        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
         super().__init__()
         kwargs = dict(img_size=224, num_classes=0, dynamic_img_size=True)
         if load:
