@@ -239,3 +239,17 @@ def test_a_route_checks_itself_when_built_and_stays_as_built():
         route.selection_ratio = 0.7
     with pytest.raises(RouteError, match="outside a model of depth 4"):
         Route(2, 5, 0.5).resolve(4)
+
+
+def test_a_bad_plain_value_is_refused_before_torch_is_imported():
+    """The rules that read a registry (which imports torch) run after every other rule: a refusal of a plain value
+    answers in a fraction of a second, as a command-line user and the refusal tests above expect."""
+    code = ("import sys; from test_config_schema import compose_train; from training.config_check import "
+            "check_train_config\nfrom tread_utils.errors import UserError\n"
+            "try:\n    check_train_config(compose_train('train.ckpt_every=0'))\n"
+            "except UserError as e:\n    print('refused:', e)\n"
+            "print('torch loaded:', 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert "refused: train.ckpt_every=0" in proc.stdout, proc.stdout + proc.stderr
+    assert "torch loaded: False" in proc.stdout

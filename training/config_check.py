@@ -165,17 +165,25 @@ def refuse(key: str, value, allowed: str, fix: str = "") -> UserError:
     return UserError(f"{key}={value} is not allowed: it must be {allowed}" + (f"; {fix}" if fix else ""))
 
 
-def check_rules(cfg, cls, prefix: str = ""):
-    """Every key's own rule, from its schema field (`rule`, `eg`), depth first."""
+def ruled_keys(cls, prefix: str = ""):
+    """(key, field) of every schema field with a rule, depth first."""
     for f in dataclasses.fields(cls):
-        key, rule = prefix + f.name, f.metadata.get("rule")
+        key = prefix + f.name
         if dataclasses.is_dataclass(f.type):
-            check_rules(cfg, f.type, key + ".")
-        elif rule is not None:
-            value = OmegaConf.select(cfg, key)
-            if not rule.ok(value):
-                example = f.metadata["eg"]
-                raise refuse(key, value, rule.allowed, f"e.g. {key}={'...' if example is None else example}")
+            yield from ruled_keys(f.type, key + ".")
+        elif f.metadata.get("rule") is not None:
+            yield key, f
+
+
+def check_rules(cfg, cls):
+    """Every key's own rule, from its schema field (`rule`, `eg`), depth first; the rules that read a registry
+    come last because reading one imports torch, so any other bad value is refused without it."""
+    fields = sorted(ruled_keys(cls), key=lambda kf: kf[1].metadata["rule"].reads_registry)
+    for key, f in fields:
+        rule, value = f.metadata["rule"], OmegaConf.select(cfg, key)
+        if not rule.ok(value):
+            example = f.metadata["eg"]
+            raise refuse(key, value, rule.allowed, f"e.g. {key}={'...' if example is None else example}")
 
 
 def check_sampler(cfg, prefix: str):

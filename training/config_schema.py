@@ -29,6 +29,7 @@ class Rule:
     that reads a registry when a config is checked or documented, so the names have one home)."""
     ok: Callable[[Any], bool]
     words: Union[str, Callable[[], str]]
+    reads_registry: bool = False
 
     @property
     def allowed(self) -> str:
@@ -65,7 +66,7 @@ def registry(path: str) -> Rule:
     def names():
         module, _, attr = path.partition(":")
         return tuple(getattr(importlib.import_module(module), attr))
-    return Rule(lambda v: v in names(), lambda: f"one of {', '.join(names())}")
+    return Rule(lambda v: v in names(), lambda: f"one of {', '.join(names())}", reads_registry=True)
 
 
 def key(doc: str, default=MISSING, factory=None, *, rule: Optional[Rule] = None, eg=None):
