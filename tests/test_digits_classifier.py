@@ -83,3 +83,15 @@ def test_class_accuracy_of_held_out_digits_and_of_shuffled_labels(classifier):
     assert class_accuracy(images, labels, classifier) * 297 == pytest.approx(295)  # as accuracy() above
     shuffled = np.random.default_rng(0).permutation(labels.numpy())
     assert 0.04 <= class_accuracy(images, shuffled, classifier) <= 0.17
+
+
+def test_the_digits_are_scikit_learns():
+    """The embedded digits are read from the file the scikit-learn wheel ships without importing scikit-learn: the
+    same images and labels as its own loader."""
+    from sklearn.datasets import load_digits
+
+    from data.digits import read_digits
+
+    images, labels = read_digits()
+    theirs = load_digits()
+    assert np.array_equal(images, theirs.images) and np.array_equal(labels, theirs.target)
