@@ -50,7 +50,7 @@ from tread_utils.route_spec import Route, RouteError, Schedule, is_number, place
 
 # ---- selection rules: fn(x [B, N, D], generator or None, **options) -> scores [B, N]; the highest are kept ----
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable's lazy form: dynamo (two seconds) is imported at the first call
 def _seeded_uniform(B: int, N: int, device, generator: torch.Generator) -> torch.Tensor:
     """A seeded draw (routing guidance at inference) runs eagerly: dynamo cannot trace a Generator argument."""
     return torch.rand(B, N, device=device, generator=generator)

@@ -1,9 +1,12 @@
 import itertools
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import filelock
+import prewarmed
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -34,6 +37,7 @@ def pin_xdist_worker():
 
 
 pin_xdist_worker()
+prewarmed.install()  # the suite's `python` subprocesses start without re-importing torch (tests/prewarmed.py)
 
 # A small model so subprocess training runs take seconds: 4 blocks, 32 wide, route 1 -> 2.
 TINY_MODEL = ["+model.params.depth=4", "+model.params.hidden_size=32", "+model.params.num_heads=2"]
@@ -92,6 +96,28 @@ def script_calls(script, tmp_path, **env):
                           capture_output=True, text=True, timeout=60)
     calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()] if log.exists() else []
     return calls, proc
+
+
+def once_per_session(tmp_path_factory, name, make):
+    """`make(folder)` run once per test session, by whichever pytest-xdist worker asks first: the others wait and get
+    its (JSON) result and folder. Under xdist each worker runs a session fixture of its own, and the suite's costliest
+    fixtures (many commands run) must not run twice."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent / name  # the session's folder, above each worker's own
+    with filelock.FileLock(f"{shared}.lock"):
+        done = shared / "result.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        shared.mkdir(exist_ok=True)
+        result = make(shared)
+        done.write_text(json.dumps(result))
+        return result
+
+
+def completed(result) -> subprocess.CompletedProcess:
+    """A finished process as once_per_session passes it on ([args, returncode, stdout, stderr])."""
+    return subprocess.CompletedProcess(*result)
 
 
 def assert_one_line_error(proc, *needles):

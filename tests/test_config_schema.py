@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from conftest import REPO, assert_one_line_error, subprocess_env
+from conftest import REPO, assert_one_line_error, completed, once_per_session, subprocess_env
 from training import config_schema as S
 from training.config_check import check_train_config, conform, hydra_error_line, schema_at, schema_keys
 from tread_utils.errors import UserError
@@ -56,23 +56,28 @@ def snapshot(root):
             for p in sorted(root.rglob("*"))}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def refused(tmp_path_factory):
     """Every BAD case through `python train.py`, two at a time, against a results dir holding a run."""
-    results = tmp_path_factory.mktemp("results")
-    run = results / "tread-digits"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "ckpt_00000200.pt").write_bytes(b"a checkpoint")
-    (run / "metrics.jsonl").write_text('{"step": 200, "loss": 0.5}\n')
-    before = snapshot(results)
+    def launch_all(folder):
+        results = folder / "results"
+        run = results / "tread-digits"
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "ckpt_00000200.pt").write_bytes(b"a checkpoint")
+        (run / "metrics.jsonl").write_text('{"step": 200, "loss": 0.5}\n')
+        before = snapshot(results)
 
-    def launch(overrides):
-        return subprocess.run([sys.executable, str(REPO / "train.py"), f"results_dir={results}", *overrides],
-                              cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        def launch(overrides):
+            proc = subprocess.run([sys.executable, str(REPO / "train.py"), f"results_dir={results}", *overrides],
+                                  cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+            return [proc.args, proc.returncode, proc.stdout, proc.stderr]
 
-    with ThreadPoolExecutor(2) as pool:
-        procs = dict(zip(BAD, pool.map(launch, [overrides for overrides, _ in BAD.values()])))
-    return procs, snapshot(results) == before
+        with ThreadPoolExecutor(2) as pool:
+            procs = dict(zip(BAD, pool.map(launch, [overrides for overrides, _ in BAD.values()])))
+        return procs, snapshot(results) == before
+
+    procs, untouched = once_per_session(tmp_path_factory, "refused", launch_all)
+    return {case: completed(proc) for case, proc in procs.items()}, untouched
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -249,7 +254,8 @@ def test_a_bad_plain_value_is_refused_before_torch_is_imported():
             "try:\n    check_train_config(compose_train('train.ckpt_every=0'))\n"
             "except UserError as e:\n    print('refused:', e)\n"
             "print('torch loaded:', 'torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)
+    fresh = {**subprocess_env(), "TREAD_TESTS_FRESH": "1"}  # another environment: a fresh interpreter (prewarmed.py)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", env=fresh, capture_output=True, text=True,
+                          timeout=120)
     assert "refused: train.ckpt_every=0" in proc.stdout, proc.stdout + proc.stderr
     assert "torch loaded: False" in proc.stdout

@@ -4,20 +4,20 @@ spelling is one the command accepts: given a missing path with it, the command's
 Offline, with empty caches, so that nothing is downloaded and nothing cached is found."""
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY_MODEL, command, save_tiny_vae, subprocess_env
+from conftest import REPO, TINY_MODEL, command, once_per_session, save_tiny_vae, subprocess_env
 from test_shards import simple, write_tar
 
 S, K = 8, 10
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("options")
+def build(root):
+    """The inputs every command reads: an empty folder, shards, images, a tiny VAE, a checkpoint."""
     (root / "empty").mkdir()
     write_tar(root / "shards" / "latents-000000.tar", simple(16, (4, S, S)))
     images = np.random.default_rng(0).integers(0, 256, (4, 16, 16, 3), dtype=np.uint8)
@@ -31,7 +31,6 @@ def setup(tmp_path_factory):
     config = {"model": {"backbone_type": "DiT-T/2", "params": params}, "diffuser": {"sigma_data": 0.5},
               "dataset": {"kind": "shards"}, "train": {"general": {"class_drop_prob": 0.1}}}
     torch.save({"step": 1, "model": weights, "ema": weights, "config": config}, root / "ckpt_00000001.pt")
-    return root
 
 
 def train_args(root):
@@ -62,21 +61,39 @@ def commands(root):
     }
 
 
-@pytest.fixture(scope="module")
-def results(setup):
+def run_all(root) -> dict:
     """Each command run twice, all at once: without the option, then with it naming a missing path."""
-    home = setup / "home"
+    home = root / "home"
     env = {**subprocess_env(), "HF_HUB_OFFLINE": "1", "TREAD_OFFLINE": "1", "HF_HOME": str(home / "hf"),
            "TORCH_HOME": str(home / "torch"), "HOME": str(home), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TREAD_INCEPTION_WEIGHTS", None)
     procs = {}
-    for name, (cmd, _, given) in commands(setup).items():
+    for name, (cmd, _, given) in commands(root).items():
         for variant, extra in (("absent", []), ("given", given)):
             extra = [*extra, f"run_name={name}-{variant}"] if cmd[0] == "train.py" else extra  # a run each
-            procs[name, variant] = subprocess.Popen(
+            procs[f"{name} {variant}"] = subprocess.Popen(
                 [sys.executable, *command(str(cmd[0])), *map(str, cmd[1:] + extra)], cwd=REPO, env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return {key: (proc.wait(timeout=300), proc.communicate()[1]) for key, proc in procs.items()}
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory):
+    def make(root):
+        build(root)
+        return {"root": str(root), "results": run_all(root)}
+
+    return once_per_session(tmp_path_factory, "options", make)
+
+
+@pytest.fixture(scope="session")
+def setup(shared):
+    return Path(shared["root"])
+
+
+@pytest.fixture(scope="session")
+def results(shared):
+    return {tuple(key.split()): tuple(value) for key, value in shared["results"].items()}
 
 
 def error_line(code, stderr):

@@ -7,11 +7,12 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY_MODEL, TINY_ROUTE, assert_one_line_error, subprocess_env
+from conftest import REPO, TINY_MODEL, TINY_ROUTE, assert_one_line_error, once_per_session, subprocess_env
 
 
 def run(tmp_path, *args, check=True, **env):
@@ -38,21 +39,23 @@ def offline_commands(root) -> list:
     return [[a for a in shlex.split(line) if not a.startswith("HF_HUB_OFFLINE=")][1:] for line in lines if line.strip()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def latents(tmp_path_factory):
     """The offline block's first three steps: a random SD-VAE and 8 random images, their latents at 64 x 64 (8 x 8
     latents), a random-network reference."""
-    tmp = tmp_path_factory.mktemp("imagenet")
-    commands = offline_commands(tmp)
-    assert [c[:2] for c in commands] == [["-m", "tools.make_random_sdvae"], ["-m", "data.extract_latents"],
-                                         ["fid.py", "ref"], ["train.py", "dataset=imagenet256"],
-                                         ["sample.py", f"ckpt={tmp}/runs/toy"],
-                                         ["evaluations/evaluator.py", f"{tmp}/ref.npz"]]
-    run(tmp, *commands[0])
-    run(tmp, *commands[1])
-    ref = run(tmp, *commands[2])
-    assert "inception-random-init" in ref.stdout and "covariance is singular" in ref.stderr
-    return tmp
+    def make(tmp):
+        commands = offline_commands(tmp)
+        assert [c[:2] for c in commands] == [["-m", "tools.make_random_sdvae"], ["-m", "data.extract_latents"],
+                                             ["fid.py", "ref"], ["train.py", "dataset=imagenet256"],
+                                             ["sample.py", f"ckpt={tmp}/runs/toy"],
+                                             ["evaluations/evaluator.py", f"{tmp}/ref.npz"]]
+        run(tmp, *commands[0])
+        run(tmp, *commands[1])
+        ref = run(tmp, *commands[2])
+        assert "inception-random-init" in ref.stdout and "covariance is singular" in ref.stderr
+        return str(tmp)
+
+    return Path(once_per_session(tmp_path_factory, "imagenet", make))
 
 
 def train_args(tmp, results, *extra):

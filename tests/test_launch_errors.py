@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, once_per_session, subprocess_env
 from test_sample_cli import free_port
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_machines", "1", "--mixed_precision", "no",
@@ -20,17 +20,22 @@ BAD = {  # command -> (its bad options, the start of its one line)
 }
 
 
-@pytest.fixture(scope="module")
-def launches():
-    env = {**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""}
-    procs = {}
-    for script, (args, _) in BAD.items():
-        for n in (1, 2):
-            mode = ["--num_processes", "1"] if n == 1 else ["--multi_gpu", "--num_processes", "2",
-                                                             "--main_process_port", str(free_port())]
-            procs[script, n] = subprocess.Popen([*LAUNCH, *mode, str(REPO / script), *args], cwd=REPO, env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return {key: (proc.wait(timeout=300), proc.communicate()[1]) for key, proc in procs.items()}
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory):
+    def launch_all(folder):
+        env = {**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""}
+        procs = {}
+        for script, (args, _) in BAD.items():
+            for n in (1, 2):
+                mode = ["--num_processes", "1"] if n == 1 else ["--multi_gpu", "--num_processes", "2",
+                                                                 "--main_process_port", str(free_port())]
+                procs[f"{script} {n}"] = subprocess.Popen([*LAUNCH, *mode, str(REPO / script), *args], cwd=REPO,
+                                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                          text=True)
+        return {key: (proc.wait(timeout=300), proc.communicate()[1]) for key, proc in procs.items()}
+
+    done = once_per_session(tmp_path_factory, "launches", launch_all)
+    return {(key.split()[0], int(key.split()[1])): tuple(value) for key, value in done.items()}
 
 
 @pytest.mark.parametrize("processes", [1, 2])

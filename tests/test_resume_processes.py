@@ -3,12 +3,14 @@ a free port): a 2-process run killed with kill -9 and restarted equals an uninte
 in-training evaluation on; resuming under another process count re-seeds the random streams; the 2-process
 in-training FID is the 1-process FID of the same EMA weights and seeds."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from conftest import tiny_overrides
+from conftest import once_per_session, tiny_overrides
 from train_runs import assert_bit_identical, final_state, records, run_train
 from training import checkpoint as ckpt
 from training.in_training_eval import TrainingEvaluator
@@ -25,12 +27,14 @@ def run_args(results_dir, run_name, steps=8):
             "train.general.num_workers=0"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight(tmp_path_factory):
     """An uninterrupted 2-process run of 8 steps, evaluated at steps 4 and 8."""
-    root = tmp_path_factory.mktemp("straight")
-    run_train(*run_args(root, "two"), processes=2)
-    return root / "two"
+    def make(root):
+        run_train(*run_args(root, "two"), processes=2)
+        return str(root / "two")
+
+    return Path(once_per_session(tmp_path_factory, "straight", make))
 
 
 def test_two_processes_killed_mid_step_resume_bit_identical(tmp_path, straight):

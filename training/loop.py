@@ -22,7 +22,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
-from torch._dynamo.utils import counters as dynamo_counters
 
 from data import ResumableBatchSampler, build_dataset, loader_workers
 from dit import get_model
@@ -351,8 +350,16 @@ def compile_stats(run: Run) -> dict:
     (a recompile: a shape or guard that changed mid-run, each one a stall of seconds)."""
     if run.compiled_at_first_step is None:
         return {}
-    return {"compiled_graphs": int(dynamo_counters["stats"]["unique_graphs"]),
-            "recompiles_after_first_step": int(dynamo_counters["frames"]["total"]) - run.compiled_at_first_step}
+    counters = dynamo_counters()
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "recompiles_after_first_step": int(counters["frames"]["total"]) - run.compiled_at_first_step}
+
+
+def dynamo_counters():
+    """torch.compile's counters, imported only by a compiled run: dynamo takes two seconds to import."""
+    from torch._dynamo.utils import counters
+
+    return counters
 
 
 def evaluate(run: Run, step: int):
@@ -385,7 +392,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
                           f"through every block")
             update_weights(run, step, model_params, ema_params)
             if cfg.train.compile and run.compiled_at_first_step is None:
-                run.compiled_at_first_step = int(dynamo_counters["frames"]["total"])
+                run.compiled_at_first_step = int(dynamo_counters()["frames"]["total"])
             step += 1
             bar.update(1)
 
