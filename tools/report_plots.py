@@ -107,9 +107,9 @@ def plot_routes(groups, out, base, stem="route_placement"):
     rows = sorted(((name, [r for r in members if r["final_fid"] is not None]) for name, members in groups
                    if members[0]["route_list"] and any(r["final_fid"] is not None for r in members)),
                   key=lambda row: (row[1][0]["route_list"], row[0]))
-    plt, fig, ax = new_figure(10, 1.8 + 0.32 * max(len(rows) + len(base), 3))
     skipped = sum(1 for _, members in groups for r in members if r["route_list"] and r["final_fid"] is None)
     if not rows:
+        plt, fig, ax = new_figure(9, 2.5)
         ax.text(0.5, 0.5, "no routed run has FID records yet", ha="center", transform=ax.transAxes)
         ax.set_axis_off()
         return save(plt, fig, out, stem)
@@ -117,41 +117,52 @@ def plot_routes(groups, out, base, stem="route_placement"):
              for f in ([r["final_fid"] for r in members] for _, members in rows)]
     samples = {r["fid_samples"] for _, members in rows for r in members if r.get("fid_samples")}
     cmap_name, caption, pooled = fid_noise(stats, base, samples)
+    several_backbones = len({m[0]["backbone"] for _, m in rows}) > 1
+    ticks = [f"{name}" + (f", {m[0]['backbone']}" if several_backbones else "")
+             + (f" ({n} seeds)" if n > 1 else f", seed {m[0]['seed']}") for (name, m), (_, _, n) in zip(rows, stats)]
+    ticks += [f"no routing, {backbone} ({n} run{'s' if n > 1 else ''})" for (backbone, _), (_, n, _) in base.items()]
+    values = [value_text(mean, std, n, base.get((m[0]["backbone"], m[0]["dataset"])), pooled)
+              for (_, m), (mean, std, n) in zip(rows, stats)] + [value_text(v, std, n, None, None)
+                                                               for v, n, std in base.values()]
+    # three columns: the bars (5 in), each row's FID and difference, the colour bar; the row names on the left and
+    # the values take what they need (about 0.055-0.065 in a character at size 8)
+    value_width = 0.055 * max(map(len, values)) + 0.1
+    plt, fig, _ = new_figure(max(9.0, 6.6 + 0.065 * max(map(len, ticks)) + value_width), 2.6 + 0.32 * max(len(ticks), 3))
+    fig.clf()
+    ax, column, cax = fig.subplots(1, 3, gridspec_kw=dict(width_ratios=[5.0, value_width, 0.2]))
     cmap = mpl.colormaps[cmap_name]
     if cmap_name == NEUTRAL:  # its lightest end would be a white bar on the white axes
         cmap = mpl.colors.ListedColormap([cmap(0.15 + 0.85 * i / 255) for i in range(256)], name=NEUTRAL)
-    fids = [m for m, _, _ in stats] + [v[0] for v in base.values()]
+    base_means = [v[0] for v in base.values()]
+    fids = [m for m, _, _ in stats] + base_means
     norm = mpl.colors.Normalize(min(fids), max(fids) if max(fids) > min(fids) else min(fids) + 1)
     depth = max((m[0]["depth"] or max(e for _, e, _ in m[0]["route_list"]) + 1) for _, m in rows)
-    several_backbones = len({m[0]["backbone"] for _, m in rows}) > 1
-    ticks = []
-    for y, ((name, members), (mean, std, n)) in enumerate(zip(rows, stats)):
-        first = members[0]
-        for s, e, _ in first["route_list"]:
+    for y, ((_, members), (mean, _, _)) in enumerate(zip(rows, stats)):
+        for s, e, _ in members[0]["route_list"]:
             ax.barh(y, e - s + 1, left=s - 0.5, height=0.7, color=cmap(norm(mean)), edgecolor="0.2")
-        ax.text(depth - 0.3, y, value_text(mean, std, n, base.get((first["backbone"], first["dataset"])), pooled),
-                va="center", fontsize=8)
-        ticks.append(f"{name}" + (f", {first['backbone']}" if several_backbones else "")
-                     + (f" ({n} seeds)" if n > 1 else f", seed {first['seed']}"))
-    for y, ((backbone, _), (value, n, std)) in enumerate(base.items(), start=len(rows)):  # no bar to draw
-        ax.text(depth / 2 - 0.5, y, "no block skipped", ha="center", va="center", fontsize=8, color="0.3")
-        ax.text(depth - 0.3, y, value_text(value, std, n, None, pooled), va="center", fontsize=8,
-                bbox=dict(facecolor=cmap(norm(value)), edgecolor="0.2", boxstyle="square,pad=0.2"))
-        ticks.append(f"no routing, {backbone} ({n} run{'s' if n > 1 else ''})")
+    for y in range(len(rows), len(ticks)):  # the baselines: no bar to draw
+        ax.text((depth - 1) / 2, y, "no block skipped", ha="center", va="center", fontsize=8, color="0.3")
     if base:
         ax.axhline(len(rows) - 0.5, color="0.5", linewidth=0.8)
     ax.set_yticks(range(len(ticks)), ticks, fontsize=8)
-    ax.set_ylim(len(ticks) - 0.5, -0.5)  # first row on top
+    for axis in (ax, column):
+        axis.set_ylim(len(ticks) - 0.5, -0.5)  # first row on top
+    column.set_axis_off()
+    for y, text in enumerate(values):  # a baseline's value boxed in its colour: it has no bar
+        column.text(0.05, y, text, va="center", fontsize=8, bbox=dict(
+            facecolor=cmap(norm(base_means[y - len(rows)])), edgecolor="0.2", boxstyle="square,pad=0.2")
+            if y >= len(rows) else None)
     ax.set_xticks(range(depth))
-    ax.set_xlim(-0.7, depth + 3.6)
+    ax.set_xlim(-0.7, depth - 0.3)
     notes = [caption] + ([f"{skipped} routed run(s) without FID records not shown."] if skipped else [])
     ax.set_xlabel("block (a route skips tokens from its start block through its end block)\n"
-                  + "\n".join(textwrap.wrap(" ".join(notes), 120)), fontsize=8)
-    bar = fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="final FID")
-    for value, _, _ in base.values():  # and marked on the FID scale
+                  + "\n".join(textwrap.wrap(" ".join(notes), 95)), fontsize=8)
+    bar = fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), cax=cax, label="final FID")
+    for value in base_means:  # and marked on the FID scale
         bar.ax.axhline(value, color="black", linewidth=2)
     refs = ", ".join(f"{b}: {value_text(v, std, n, None, None)} ({n} run{'s' if n > 1 else ''})"
                      for (b, _), (v, n, std) in base.items())
-    ax.set_title("Route placement: final FID" + (f" and difference to the no-routing baseline [{refs}]"
-                                                 if refs else " (no no-routing baseline run with FID)"), fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap("Route placement: final FID" + (
+        f" and difference to the no-routing baseline [{refs}]" if refs else " (no no-routing baseline run with FID)"),
+        75)), fontsize=9)
     save(plt, fig, out, stem)
