@@ -31,6 +31,7 @@ import numpy as np
 from scipy import stats
 
 from tools import report
+from tools.configurations import group_by_configuration, seed_mean, settings_labels
 from tools.report import cell, elapsed_seconds, load_runs, md_table, num, read_metrics
 from tools.report_plots import new_figure, plot_routes, save
 from tread_utils.errors import exit_with
@@ -63,11 +64,12 @@ def label(run):
 
 
 def configurations(runs):
-    """{label: [runs]}, the no-routing configuration first, then by routes and ratio."""
-    groups = {}
-    for r in sorted(runs, key=lambda r: (not r["baseline"], r["route_list"], str(r["seed"]))):
-        groups.setdefault(label(r), []).append(r)
-    return groups
+    """{label: [runs]}, the no-routing configuration first, then by routes and ratio. A configuration is the whole
+    config but the seed (tools/configurations.py); two with one label get the settings that tell them apart."""
+    groups = group_by_configuration(sorted(runs, key=lambda r: (not r["baseline"], r["route_list"], str(r["seed"]))))
+    names = [label(g[0]) for g in groups]
+    return {name + (f" [{settings}]" if settings and names.count(name) > 1 else ""): g
+            for name, settings, g in zip(names, settings_labels(groups, hidden=None), groups)}
 
 
 def band(members, metric):
@@ -242,13 +244,15 @@ def final_values(members, metric):
 
 
 def placement_baseline(placement_runs, runs):
-    """The no-routing runs' mean FID at the step the placement runs ended: their budgets differ from compare's."""
+    """seed_mean of the no-routing runs' FID at the step the placement runs ended (their budgets differ from
+    compare's), per (backbone, dataset)."""
     ends = {max(r["evals"]) for r in placement_runs if r["evals"]}
     out = {}
     for r in runs:
         if r["baseline"] and not r["route_list"] and ends and max(ends) in r["evals"]:
-            out.setdefault((r["backbone"], r["dataset"]), []).append(r["evals"][max(ends)]["fid"])
-    return {k: (statistics.mean(v), len(v)) for k, v in out.items() if None not in v}
+            out.setdefault((r["backbone"], r["dataset"]), []).append(r)
+    fids = {k: [r["evals"][max(ends)]["fid"] for r in v] for k, v in out.items()}
+    return {k: seed_mean(v, fids[k]) for k, v in out.items() if None not in fids[k]}
 
 
 def placement_table(part, groups, baseline):
@@ -257,7 +261,7 @@ def placement_table(part, groups, baseline):
                     cell(max((max(r["evals"]) for r in g if r["evals"]), default=None)), final_values(g, "fid")[0]]
                    for n, g in groups.items() if g[0]["route_list"]), key=lambda row: (row[-1] is None, row[-1] or 0))
     base = "; ".join(f"{backbone} on {dataset}: FID {cell(fid)} ({n} run(s))"
-                     for (backbone, dataset), (fid, n) in baseline.items()) or "no no-routing run at that step"
+                     for (backbone, dataset), (fid, n, _) in baseline.items()) or "no no-routing run at that step"
     return [f"### {part}: each route at its final evaluation, best FID first", "", f"Baseline, no routing: {base}.", "",
             md_table(["route", "runs", *(f"final {name}" for _, name in METRICS), "step"], [r[:-1] for r in rows]), ""]
 
@@ -323,7 +327,7 @@ def write_study(parts, runs, out, sources, replaced=()):
         same_cost += equal_cost_rows(part, clocked, rates)
         if part == "placement" or (len(groups) > 1 and all(len(g) == 1 for g in groups.values())):
             baseline = placement_baseline(members, runs)
-            plot_routes(members, out, baseline, stem=f"study_{part}_routes")
+            plot_routes(list(groups.items()), out, baseline, stem=f"study_{part}_routes")
             lines += [f"![route placement](study_{part}_routes.png) (baseline: no-routing runs at the same step)", ""]
             lines += placement_table(part, groups, baseline)
         if len({r["ratio"] for r in members if r["route_list"]}) > 1:

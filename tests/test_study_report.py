@@ -5,6 +5,7 @@ and scripts/toy_study.sh's stages launch jobs that compose with the expected set
 import csv
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -180,10 +181,14 @@ def test_placement_chart_and_unfinished_runs_are_listed(tmp_path):
     write_run(placement, "failed", route=(1, 6, 0.5), status="failed", evals=[])
     runs = read_parts(compare, placement)
     base = study_report.placement_baseline([r for r in runs if r["dir"].parent == placement], runs)
-    assert base == {("DiT-D/4", "digits"): (pytest.approx(np.mean([fid_of("dit", s, 500) for s in range(3)])), 3)}
+    dit_500 = [fid_of("dit", s, 500) for s in range(3)]
+    assert base == {("DiT-D/4", "digits"): (pytest.approx(np.mean(dit_500)), 3, pytest.approx(np.std(dit_500, ddof=1)))}
     out = tmp_path / "out"
     run_script("lab.study_report", compare, placement, "--out", out, check=True)
     assert (out / "study_placement_routes.png").stat().st_size > 0
+    chart = " ".join(re.findall(r"<text[^>]*>([^<]*)</text>", (out / "study_placement_routes.svg").read_text()))
+    assert f"10 of 11 value(s) without a seed spread, so one colour hue. FID varies between seeds by " \
+           f"{np.std(dit_500, ddof=1):.2f}" in chart  # the single-seed routes against the 3 dit seeds' spread
     md = (out / "study.md").read_text()
     assert "| placement/still_going | running | 250 | 1 |" in md and "| placement/failed | failed |" in md
     table = md.split("### placement: each route at its final evaluation, best FID first")[1].split("\n\n")
@@ -417,3 +422,15 @@ def test_untimed_runs_are_compared_per_step_only(tmp_path):
     time_svg = (untimed / "study_compare_vs_time.svg").read_text()
     assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" not in time_svg and "dit (3 seed(s))" in time_svg
     assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" in (untimed / "study_compare_vs_step.svg").read_text()
+
+
+def test_runs_that_differ_only_in_the_selection_rule_are_configurations_of_their_own(tmp_path):
+    root = tmp_path / "selection"
+    for seed in range(2):
+        write_run(root, f"random{seed}", seed=seed, route_extra=dict(selection="random", importance_mix=0.0))
+    write_run(root, "importance", route_extra=dict(selection="importance", importance_mix=1.0))
+    write_run(root, "importance_half", route_extra=dict(selection="importance", importance_mix=0.5))
+    groups = study_report.configurations(read_parts(root))
+    assert {name: len(g) for name, g in groups.items()} == {  # importance is most configurations' rule: not named
+        "tread 2->8 @ 0.5 [importance_mix=0, selection=random]": 2, "tread 2->8 @ 0.5 [importance_mix=1]": 1,
+        "tread 2->8 @ 0.5 [importance_mix=0.5]": 1}

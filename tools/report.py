@@ -4,10 +4,13 @@
 
 Every directory below the given paths that holds a config.yaml or a status.json is a run (train.py
 writes both). Runs that failed, are still running, stopped early or have unreadable files are listed
-with their status, never dropped; plots skip runs without FID records and say so. Plots:
-fid_vs_step, fid_vs_time (training wall-clock) and route_placement (each route a bar from its start
-to its end block, coloured by final FID, labelled with the difference to the no-routing baseline:
-model dit, routing off or every ratio 0, same backbone and dataset).
+with their status, never dropped; plots skip runs without FID records and say so. A configuration is
+a run's whole resolved config.yaml but its seed and the bookkeeping keys of NOT_CONFIGURATION: runs
+are averaged only over seeds of one configuration, and each row names the settings that set it apart
+(`settings`). Plots: fid_vs_step, fid_vs_time (training wall-clock) and route_placement (each
+configuration's route a bar from its start to its end block, coloured by final FID, labelled with the
+difference to the no-routing baseline, model dit, routing off or every ratio 0, same backbone and
+dataset, and with the seed noise of that difference where the runs measure one).
 """
 import argparse
 import csv
@@ -21,13 +24,15 @@ from collections import Counter
 from pathlib import Path
 
 from dit import DiT_models
-from tools.report_plots import plot_curves, plot_routes
+from tools.configurations import NOT_CONFIGURATION, flat_config, group_by_configuration, seed_mean, settings_labels
+from tools.report_plots import plot_curves, plot_routes, run_label
 from tread_utils.errors import exit_with
 
 SKIP_DIRS = {"checkpoints", "tensorboard", "wandb", "samples", "__pycache__"}
 COLUMNS = [("run", "run"), ("status", "status"), ("backbone", "backbone"), ("model", "model"),
-           ("routes", "routes"), ("ratio", "ratio"), ("variant", "variant"), ("seed", "seed"), ("steps", "steps"),
+           ("routes", "routes"), ("ratio", "ratio"), ("settings", "settings"), ("seed", "seed"), ("steps", "steps"),
            ("final_fid", "final FID"), ("best_fid", "best FID"), ("best_fid_step", "best FID step"),
+           ("final_class_acc", "final class_acc"), ("final_nn_ratio", "final nn_ratio"),
            ("steps_per_sec", "steps/s (median)"), ("compute_hours", "compute hours"),
            ("final_loss", "loss at end"), ("note", "note")]
 RESTART_SLACK_S = 1800  # a gap between two records this much longer than their steps need is a restart
@@ -109,6 +114,8 @@ def read_config(run, cfg):
         routes.append((s, e, float(r.get("selection_ratio", 0.0))))
     if not params.get("enable_routing", bool(routes)):
         routes = []
+    run["config"] = {k: v for k, v in flat_config(cfg).items() if not NOT_CONFIGURATION.fullmatch(k)}
+    run["fid_samples"] = ((cfg.get("train") or {}).get("eval") or {}).get("fid_num_samples")
     run["variant"] = variant(cfg, params if routes else {})
     run.update(backbone=model.get("backbone_type"), model=model.get("name"), depth=depth, route_list=routes,
                routes="; ".join(f"{s}->{e}" for s, e, _ in routes) or "off",
@@ -118,8 +125,8 @@ def read_config(run, cfg):
 
 
 def variant(cfg, params) -> str:
-    """What else a run changes beyond its routes and ratios: SPRINT fusion, ratio schedules, REPA, routing
-    turned off late ('' for plain DiT / TREAD runs)."""
+    """What else a run changes beyond its routes and ratios, in words: SPRINT fusion, ratio schedules, REPA, routing
+    turned off late ('' for plain DiT / TREAD runs). It names runs; it does not group them (configuration_key)."""
     parts = []
     for r in params.get("routes") or []:
         if (r.get("fusion") or "none") != "none":
@@ -159,7 +166,8 @@ def mark_broken(run, why):
 def read_run(name, path):
     import yaml
 
-    run = dict(run=name, dir=path, status="unfinished", notes=[], fid=[], route_list=[], baseline=False)
+    run = dict(run=name, dir=path, status="unfinished", notes=[], fid=[], route_list=[], baseline=False, config=None,
+               fid_samples=None)
     run.update({key: None for key, _ in COLUMNS[2:-1]})
     try:
         info = json.loads((path / "status.json").read_text())
@@ -204,6 +212,8 @@ def summarise(run, records):
     if run["fid"]:
         run["final_fid"] = run["fid"][-1][2]
         run["best_fid_step"], _, run["best_fid"] = min(run["fid"], key=lambda p: p[2])
+        final = [r for r in records if "fid" in r and num(r["fid"]) is not None][-1]  # the digits' metrics are logged
+        run["final_class_acc"], run["final_nn_ratio"] = num(final.get("class_acc")), num(final.get("nn_ratio"))
     if run["status"] != "completed" and run["max_steps"] and run["steps"] < run["max_steps"]:
         run["notes"].append(f"{run['steps']} of {run['max_steps']} steps")
 
@@ -217,29 +227,37 @@ def cell(value):
 
 
 def baselines(runs):
-    """Mean final FID of the no-routing runs per (backbone, dataset): routing off (model dit) if there is
+    """seed_mean of the no-routing runs' final FID per (backbone, dataset): routing off (model dit) if there is
     such a run, else every ratio 0."""
     groups = {}
     for r in runs:
         if r["baseline"] and r["final_fid"] is not None:
-            groups.setdefault((r["backbone"], r["dataset"]), []).append((bool(r["route_list"]), r["final_fid"]))
-    picked = {key: [f for routed, f in v if not routed] or [f for _, f in v] for key, v in groups.items()}
-    return {key: (statistics.mean(v), len(v)) for key, v in picked.items()}
+            groups.setdefault((r["backbone"], r["dataset"]), []).append(r)
+    picked = {key: [r for r in v if not r["route_list"]] or v for key, v in groups.items()}
+    return {key: seed_mean(v, [r["final_fid"] for r in v]) for key, v in picked.items()}
+
+
+def mean_std(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return cell(statistics.mean(values)) + (f" ± {cell(statistics.stdev(values))}" if len(values) > 1 else "")
 
 
 def by_configuration(runs):
-    groups = {}
-    for r in runs:
-        if r["final_fid"] is not None:
-            groups.setdefault((r["backbone"], r["model"], r["routes"], r["ratio"], r["variant"]), []).append(r)
+    """One row per configuration with FID: its columns, `settings`, run count, the final metrics' mean ± std over
+    its runs (its seeds), mean best FID and summed compute hours; a note where its runs' last FIDs are at
+    different steps (an unfinished seed)."""
     rows = []
-    for (backbone, model, routes, ratio, variant_), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        fids = [m["final_fid"] for m in members]
-        spread = f" ± {statistics.stdev(fids):.2f}" if len(fids) > 1 else ""
-        rows.append([backbone, model, routes, ratio, variant_ or "-", len(members), f"{statistics.mean(fids):.2f}{spread}",
-                     cell(statistics.mean(m["best_fid"] for m in members)),
-                     cell(sum(m["compute_hours"] or 0 for m in members))])
-    return rows
+    for members in group_by_configuration([r for r in runs if r["final_fid"] is not None]):
+        m, ends = members[0], sorted({r["fid"][-1][0] for r in members})
+        rows.append([cell(m["backbone"]), cell(m["model"]), cell(m["routes"]), cell(m["ratio"]), m["settings"] or "-",
+                     len(members), *(mean_std(r[k] for r in members) for k in ("final_fid", "final_class_acc",
+                                                                                 "final_nn_ratio")),
+                     cell(statistics.mean(r["best_fid"] for r in members)),
+                     cell(sum(r["compute_hours"] or 0 for r in members)),
+                     f"final FID at steps {', '.join(map(str, ends))}" if len(ends) > 1 else ""])
+    return sorted(rows, key=lambda row: [str(c) for c in row[:5]])
 
 
 def md_table(header, rows):
@@ -250,6 +268,10 @@ def md_table(header, rows):
 
 def write_report(runs, out, sources, replaced):
     out.mkdir(parents=True, exist_ok=True)
+    configurations = group_by_configuration(runs)
+    for members, settings in zip(configurations, settings_labels(configurations)):
+        for r in members:
+            r["settings"] = settings
     values = [[run["status"] if k == "status" else "; ".join(run["notes"]) if k == "note" else cell(run[k])
                for k, _ in COLUMNS] for run in runs]
     with open(out / "report.csv", "w", newline="") as f:
@@ -258,19 +280,23 @@ def write_report(runs, out, sources, replaced):
     lines = ["# Training report", "",
              f"Sources: {', '.join(f'`{s}`' for s in sources)}. {len(runs)} run(s): "
              + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", "",
-             "FID: the run's in-training evaluation records (final = the last one). Compute hours: training "
-             "wall-clock x processes. Routes `i->j`: tokens skip blocks i..j; ratio: fraction skipped.", "",
+             "FID: the run's in-training evaluation records (final = the last one; class_acc and nn_ratio from "
+             "the same record, logged on the digits). Compute hours: training wall-clock x processes. Routes `i->j`: "
+             "tokens skip blocks i..j; ratio: fraction skipped. Settings: the config keys that set a configuration "
+             "apart (a value most configurations share is not named).", "",
              md_table([title for _, title in COLUMNS], values), ""]
     grouped = by_configuration(runs)
     if grouped:
         lines += ["## By configuration (runs with FID; mean ± std over seeds)", "",
-                  md_table(["backbone", "model", "routes", "ratio", "variant", "runs", "final FID", "best FID",
-                            "compute hours"], grouped), ""]
+                  "A configuration: the whole config.yaml but the seed and bookkeeping (output paths, names, "
+                  "logging, checkpointing: NOT_CONFIGURATION in tools/configurations.py).", "",
+                  md_table(["backbone", "model", "routes", "ratio", "settings", "runs", "final FID", "final class_acc",
+                            "final nn_ratio", "best FID", "compute hours", "note"], grouped), ""]
     lines += ["## Plots", ""]
-    problems = []
+    problems, named = [], [(run_label(g[0]), g) for g in configurations]
     for stem, title, draw in [("fid_vs_step", "FID against step", lambda: plot_curves(runs, out, "fid_vs_step", 0)),
                               ("fid_vs_time", "FID against wall-clock", lambda: plot_curves(runs, out, "fid_vs_time", 1)),
-                              ("route_placement", "Route placement", lambda: plot_routes(runs, out, baselines(runs)))]:
+                              ("route_placement", "Route placement", lambda: plot_routes(named, out, baselines(runs)))]:
         try:
             draw()
             lines += [f"![{title}]({stem}.png) ([svg]({stem}.svg))", ""]
