@@ -7,7 +7,8 @@
 Restarting with the same run_name resumes from the newest checkpoint (model, EMA, optimizer, step,
 RNG states; the data position is the step). SIGTERM/SIGINT save a checkpoint before exiting.
 The whole config is checked first (`training.config_check`, one line and exit code 2 for a bad value,
-nothing written), then the run directory is locked (`training.run_lock`): a second launch of a running
+nothing written), and the dataset is read and checked (a malformed manifest.json, an unreadable shard, fewer
+samples than one batch: the same), then the run directory is locked (`training.run_lock`): a second launch of a running
 run is refused. The loop itself is `training.loop.training_loop`; this file is the Hydra entry point.
 """
 import os
@@ -69,6 +70,8 @@ def main(cfg: DictConfig):
                            overrides=HydraConfig.get().overrides.task)
         from tread_utils.distributed import check_cuda_processes  # loads torch: only for a valid config
         check_cuda_processes(mixed_precision=cfg.train.mixed_precision)
+        from training.loop import training_dataset  # torch and the model code load only for a valid config
+        dataset = training_dataset(cfg)  # the data read and checked (shards, manifest.json, one global batch)
     except UserError as e:
         return refuse_job(cfg, str(e), run_dir)
     lock = RunLock(run_dir, cfg.lock_stale_minutes) if int(os.environ.get("RANK", 0)) == 0 else None
@@ -82,21 +85,21 @@ def main(cfg: DictConfig):
                                    f"results_dir= to a folder this job can write")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        run(cfg, run_dir, lock)
+        run(cfg, run_dir, lock, dataset)
     finally:
         if lock is not None:
             lock.release()
 
 
-def run(cfg, run_dir: Path, lock):
-    from training.loop import training_loop  # torch and the model code load only for a valid config
+def run(cfg, run_dir: Path, lock, dataset):
+    from training.loop import training_loop
     from training.run_dir import prepare_run_dir, write_status
 
     try:
         prepare_run_dir(run_dir, cfg.resume, is_main=int(os.environ.get("RANK", 0)) == 0)  # before "running"
         write_status(run_dir, "running")
         training_loop(cfg, end_training=not is_multirun(),  # a sweep's jobs share one process group
-                      heartbeat=lock.refresh if lock is not None else None)
+                      heartbeat=lock.refresh if lock is not None else None, dataset=dataset)
         write_status(run_dir, "completed")
     except SystemExit as e:  # a signal stopped the run after its checkpoint
         write_status(run_dir, "stopped", exit_code=e.code)

@@ -6,7 +6,7 @@ Every dataset is map-style and addressed by a *global* index `epoch * N + i`, so
 dataset draws for a read (a posterior sample, a flip) is a function of that index alone: a resumed
 run sees exactly the batches an uninterrupted one would, whatever the number of loader workers.
 """
-from data.batch_sampler import ResumableBatchSampler
+from data.batch_sampler import ResumableBatchSampler, check_holds_one_batch
 from data.digits import DigitsDataset
 from data.shards import LatentShardDataset
 from tread_utils.distributed import available_cores
@@ -21,10 +21,15 @@ DATASETS = {
 }
 
 
-def build_dataset(dataset_cfg, seed: int = 0, teacher_images: bool = False):
+def build_dataset(dataset_cfg, seed: int = 0, teacher_images: bool = False, global_batch: int = 0):
     """The training dataset named by the `dataset` config group. `teacher_images`: latent samples also carry
-    their clean image (REPA's teacher); the digits are their own images, so it changes nothing there."""
-    return DATASETS[dataset_cfg.kind](dataset_cfg, seed, teacher_images)  # the kind: checked by the schema's rule
+    their clean image (REPA's teacher); the digits are their own images, so it changes nothing there.
+    Building it reads what can be checked without training (the shards' headers, their layout, manifest.json,
+    the images REPA needs): a bad dataset is a UserError here, as is one holding fewer samples than one
+    `global_batch` (samples per optimizer micro-step over all processes; 0: not checked)."""
+    dataset = DATASETS[dataset_cfg.kind](dataset_cfg, seed, teacher_images)  # the kind: checked by the schema's rule
+    check_holds_one_batch(len(dataset), global_batch)
+    return dataset
 
 
 def loader_workers(requested: int) -> tuple:

@@ -4,6 +4,13 @@ import torch
 from tread_utils.errors import UserError
 
 
+def check_holds_one_batch(num_samples: int, global_batch: int):
+    """Each step draws `global_batch` samples (all processes' micro-batches) without repeats."""
+    if num_samples < global_batch:
+        raise UserError(f"the dataset holds {num_samples} samples, fewer than one global batch of "
+                        f"{global_batch}; lower train.general.batch_size")
+
+
 class ResumableBatchSampler(torch.utils.data.Sampler):
     """Yields this rank's batches of global indices from `start_step` on, forever.
 
@@ -19,9 +26,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  start_step: int = 0):
         global_batch = batch_size * world_size
-        if num_samples < global_batch:
-            raise UserError(f"the dataset holds {num_samples} samples, fewer than one global batch of "
-                            f"{global_batch}; lower train.general.batch_size")
+        check_holds_one_batch(num_samples, global_batch)
         self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
         self.seed, self.start_step = seed, start_step
         self.steps_per_epoch = num_samples // global_batch

@@ -5,6 +5,7 @@ import torch
 
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
+from backbones.diffusers_tread import routes_from_config  # noqa: E402
 from diffusers_tiny import build  # noqa: E402
 from routing_module import RouteError, num_kept, resolve_routes  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
@@ -43,6 +44,21 @@ def test_bad_config_strings_are_refused_in_one_line(value, match):
     with pytest.raises(UserError, match=match) as err:
         apply_tread(model, value)
     assert "\n" not in str(err.value) and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("json_word, field", [("true", "mask_token_trainable"), ("null", "importance_mix"),
+                                              ("false", "mask_token_trainable")])
+def test_json_words_in_a_config_string_are_refused(json_word, field):
+    """JSON's true/false/null where SimpleTuner's --tread_config reads a Python literal: refused, never read as
+    True/False/None (each word sits in a field that would accept the Python value, so a parser that rewrote
+    it would pass the config silently)."""
+    config = ('{"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 2, '
+              f'"{field}": {json_word}}}]}}')
+    python_value = {"true": "True", "false": "False", "null": "None"}[json_word]
+    routes_from_config(config.replace(json_word, python_value), 4)  # the Python spelling is a valid route
+    with pytest.raises(RouteError, match="not a Python literal") as err:
+        routes_from_config(config, 4)
+    assert "\n" not in str(err.value) and "True/False/None" in str(err.value)
 
 
 @pytest.mark.parametrize("key, value, match", [("selection_ratio", False, "must be a number"),

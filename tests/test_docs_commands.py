@@ -493,6 +493,19 @@ def test_blocks_inside_list_items_are_read_and_close_at_their_indentation():
                      (6, "python sample.py ckpt=a", True), (11, "python -m lab.bench", True)]
 
 
+def test_the_quick_start_caps_a_run():
+    """The README's quick start shows the key that caps a run, in a command that composes with it set."""
+    readme = (REPO / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("\n## ", readme.index("## Quick start"))]
+    capped = [c for c in COMMANDS if c.doc == "README.md" and c.text in quick and "train.max_steps=" in c.text]
+    assert capped, "no quick-start command sets train.max_steps"
+    for command in capped:
+        check_shell(command.text)
+        (cap,) = re.findall(r"train\.max_steps=(\d+)", command.text)
+        overrides = [w for w in tokens(command.text) if "=" in w]
+        assert compose_checked("config", tuple(overrides)).train.max_steps == int(cap)
+
+
 OUTPUT = re.compile(r"(?:--out(?:-dir)?\s+|(?<![\w.])(?:out|grid|results_dir)=)(\S+)")
 
 

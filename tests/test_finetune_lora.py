@@ -43,3 +43,18 @@ def test_pretrained_folder_is_fine_tuned_with_its_vae(tmp_path):
 def test_pretrained_folder_without_a_transformer_is_refused(tmp_path):
     with pytest.raises(UserError, match="expected a diffusers folder with transformer/config.json and vae/"):
         finetune_lora.main([*FAST, "--pretrained", str(tmp_path)])
+
+
+def test_help_shows_each_default(capsys):
+    """--help gives every option's default; an option off by default says what its absence means instead."""
+    with pytest.raises(SystemExit) as done:
+        finetune_lora.main(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    options = [a for a in finetune_lora.build_parser()._actions if a.option_strings and a.dest != "help"]
+    for action in options:
+        if action.default in (None, False):
+            assert action.help, action.dest
+        else:
+            assert f"(default: {action.default})" in text, action.dest
+    assert "(default: 300)" in text and "(default: (0.5, 1, -2))" in text

@@ -101,7 +101,7 @@ def test_resume_under_a_schedule_equals_an_uninterrupted_run(tmp_path, capsys):
     train("straight", 6)
     out = capsys.readouterr().out
     assert "DiT-D/4 with depth 4, hidden_size 32, num_heads 2 (tread): " in out
-    assert "routes 1->2 at 0.5 (linear schedule), off from step 5 (train.routing_off_after)" in out
+    assert "routes 1->2 at 0.5 (random selection, linear schedule), off from step 5 (train.routing_off_after)" in out
     assert out.count("step 5: routing off from here on (train.routing_off_after=5)") == 1
     train("resumed", 3)
     train("resumed", 6)

@@ -1,12 +1,17 @@
 """train.py on latents on disk: it trains on extracted shards, and bad shards stop it with one line."""
 import json
+import logging
 import math
+import runpy
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from hydra.core.global_hydra import GlobalHydra
 
-from conftest import TINY_MODEL, assert_one_line_error, run_script
+from conftest import REPO, TINY_MODEL, assert_one_line_error, run_script
 from data.shards import _seed
 from data.vae import LOGVAR_MAX, LOGVAR_MIN
 from test_shards import simple, write_tar
@@ -14,13 +19,16 @@ from test_shards import simple, write_tar
 C, S, K = 4, 8, 10
 
 
+def shard_options(tmp_path, data_dir):
+    return [f"results_dir={tmp_path / 'runs'}", "run_name=shards", "model=tread", "dataset=imagenet256",
+            f"dataset.train_path={data_dir}", f"dataset.input_size={S}", f"dataset.num_classes={K}", *TINY_MODEL,
+            "model.params.routes.0.start_layer_idx=1", "model.params.routes.0.end_layer_idx=2",
+            "train.general.batch_size=8", "train.eval.eval_interval=0", "train.max_steps=6"]
+
+
 def shard_train(tmp_path, data_dir, *extra, script="train.py"):
-    return run_script(script, f"results_dir={tmp_path / 'runs'}", "run_name=shards", "model=tread",
-                      "dataset=imagenet256", f"dataset.train_path={data_dir}", f"dataset.input_size={S}",
-                      f"dataset.num_classes={K}", *TINY_MODEL, "model.params.routes.0.start_layer_idx=1",
-                      "model.params.routes.0.end_layer_idx=2", "train.general.batch_size=8",
-                      "train.general.num_workers=2", "train.eval.eval_interval=0", "train.max_steps=6",
-                      "train.ckpt_every=6", "train.logging.log_interval=3", *extra)
+    return run_script(script, *shard_options(tmp_path, data_dir), "train.general.num_workers=2", "train.ckpt_every=6",
+                      "train.logging.log_interval=3", *extra)
 
 
 def posterior_sample(pair, index, num_samples, scale):
@@ -59,22 +67,59 @@ def test_trainer_reads_extracted_style_shards(tmp_path):
     assert len(logged) == 2 and all(math.isfinite(v) for v in logged + trace["losses"])
 
 
-@pytest.mark.parametrize("case", ["shape", "corrupt", "label", "empty"])
-def test_bad_shards_are_one_clear_line(tmp_path, case):
+def refused_in_process(monkeypatch, capsys, *options):
+    """`python train.py OPTIONS` in this process (the refusal needs no training): the finished launch, for
+    `assert_one_line_error`."""
+    monkeypatch.setattr(sys, "argv", [str(REPO / "train.py"), *options])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # train.py's __main__ sets it; the test's environment keeps its own
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:  # what Hydra set up for the job goes with it, as with a process that ends
+        GlobalHydra.instance().clear()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(sys.argv, stopped.value.code, out, err)
+
+
+@pytest.mark.parametrize("case", ["shape", "corrupt", "empty", "manifest"])
+def test_bad_shards_are_refused_before_the_run_folder(tmp_path, monkeypatch, capsys, case):
+    """Everything the shards' headers, layout and manifest.json tell is checked at the entry point: one line, a
+    non-zero exit, and no run folder (results_dir itself is not created)."""
     data = tmp_path / "data"
     write_tar(data / "good.tar", simple(16, (C, S, S)))
     if case == "shape":
-        bad = write_tar(data / "bad.tar", simple(4, (C, S + 2, S)))
+        write_tar(data / "bad.tar", simple(4, (C, S + 2, S)))
         needle = "bad.tar"
     elif case == "corrupt":
-        bad = data / "bad.tar"
-        bad.write_bytes(b"\x00garbage" * 100)
+        (data / "bad.tar").write_bytes(b"\x00garbage" * 100)
         needle = "bad.tar"
-    elif case == "label":
-        bad = write_tar(data / "bad.tar", [("000099", np.zeros((C, S, S), np.float16), 42)])
-        needle = "label"
-    else:
+    elif case == "empty":
         (data / "good.tar").unlink()
-        needle = "no"
-    proc = shard_train(tmp_path, data)
+        needle = "no latent shards"
+    else:  # a hand-edited manifest with a trailing comma
+        (data / "manifest.json").write_text('{"scale_factor": 0.18215, "scaled": false,}')
+        needle = "manifest.json cannot be read"
+    proc = refused_in_process(monkeypatch, capsys, *shard_options(tmp_path, data))
     assert_one_line_error(proc, needle)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_fewer_samples_than_one_batch_is_refused_before_the_run_folder(tmp_path, monkeypatch, capsys):
+    """The embedded digits hold 1,500 training images: a global batch of 1,600 cannot be drawn."""
+    proc = refused_in_process(monkeypatch, capsys, f"results_dir={tmp_path / 'runs'}", "run_name=big-batch",
+                              "model=dit", *TINY_MODEL, "train.general.batch_size=1600",
+                              "train.eval.eval_interval=0")
+    assert_one_line_error(proc, "holds 1500 samples, fewer than one global batch of 1600")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_bad_label_stops_the_run_in_one_line(tmp_path):
+    """A label is read with its sample, in training: the run stops there, in one line."""
+    data = tmp_path / "data"
+    write_tar(data / "good.tar", simple(16, (C, S, S)))
+    write_tar(data / "bad.tar", [("000099", np.zeros((C, S, S), np.float16), 42)])
+    assert_one_line_error(shard_train(tmp_path, data), "label")

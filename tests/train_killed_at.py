@@ -47,8 +47,8 @@ def kill_mid_step(step: int):
 
     setup = loop.setup
 
-    def setup_counted(cfg):
-        run = setup(cfg)
+    def setup_counted(cfg, *args):
+        run = setup(cfg, *args)
         counter["step"] = run.step
         return run
 

@@ -34,8 +34,8 @@ def recording(data_iter):
         yield x, y
 
 
-def traced_setup(cfg):
-    run = setup(cfg)
+def traced_setup(cfg, *args):
+    run = setup(cfg, *args)
     run.data_iter = recording(run.data_iter)
     return run
 

@@ -27,6 +27,7 @@ import torch
 from backbones.diffusers_tread import apply_tread
 from data.digits import load_digits_split
 from tools.diffusers_toy import FixedTextEncoder, flow_matching_loss, pack, random_flux, routed_vs_unrouted
+from tread_utils.cli import ArgumentParser
 from tread_utils.errors import UserError, report_user_errors
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -83,22 +84,33 @@ def eval_loss(transformer, latents, text, pooled) -> float:
     return loss
 
 
+class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each option's default; an option off by default (None, False) says what its absence means."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8)
+    p = ArgumentParser(prog="python -m tools.finetune_lora", description=__doc__.split("\n\n")[0],
+                       formatter_class=DefaultsShown)
+    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument("--batch-size", type=int, default=8, help="digits per step")
     p.add_argument("--resolution", type=int, default=32, help="digits upsampled to this size (pixels)")
-    p.add_argument("--route", type=float, nargs=3, default=(0.5, 1, -2), metavar=("RATIO", "START", "END"))
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--route", type=float, nargs=3, default=(0.5, 1, -2), metavar=("RATIO", "START", "END"),
+                   help="the TREAD route: selection ratio, first and last block (negative: from the last)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate of the LoRA weights")
+    p.add_argument("--log-every", type=int, default=20, help="log the mean training loss every this many steps")
     p.add_argument("--time-rounds", type=int, default=8, help="alternating timed blocks, routed / unrouted")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--pretrained", default=None, help="local diffusers folder (transformer/, vae/)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="checkpoint the transformer's blocks")
+    p.add_argument("--pretrained", default=None, help="local diffusers folder (transformer/, vae/); without it, "
+                                                      "a small random FLUX architecture")
     p.add_argument("--eval-samples", type=int, default=128, help="held-out digits in the evaluation loss")
     p.add_argument("--time-steps", type=int, default=3, help="steps per alternating timed block")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the batch draws (and of the random architecture's weights and noise)")
     p.add_argument("--out", default=None, help="also write the log to this file")
     return p
 

@@ -158,7 +158,7 @@ class Run:
         return self.run_dir / "checkpoints"
 
 
-def setup(cfg: DictConfig) -> Run:
+def setup(cfg: DictConfig, dataset=None) -> Run:
     accelerator = start(cfg)
     is_main, device = accelerator.is_main_process, accelerator.device
 
@@ -177,7 +177,7 @@ def setup(cfg: DictConfig) -> Run:
     run.ema.to(device)
 
     # Load dataset: the batch sampler counts micro-batches and starts at the resumed step's first one.
-    run.sampler, run.data_iter = load_data(cfg, accelerator, run.step * run.accum, run.accum)
+    run.sampler, run.data_iter = load_data(cfg, accelerator, run.step * run.accum, run.accum, dataset)
 
     # Distribute.
     run.net, run.optimizer = accelerator.prepare(run.net, run.optimizer)
@@ -228,9 +228,10 @@ def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> Run:
     return Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, projector)
 
 
-def load_data(cfg: DictConfig, accelerator: Accelerator, start_micro_step: int, accum: int):
-    """(this rank's batch sampler, an iterator over its (x, y[, teacher images]) micro-batches)."""
-    dataset = build_dataset(cfg.dataset, seed=cfg.global_seed, teacher_images=bool(cfg.repa.enabled))
+def load_data(cfg: DictConfig, accelerator: Accelerator, start_micro_step: int, accum: int, dataset=None):
+    """(this rank's batch sampler, an iterator over its (x, y[, teacher images]) micro-batches) of `dataset`,
+    the entry point's `training_dataset(cfg)` (None: built here)."""
+    dataset = training_dataset(cfg) if dataset is None else dataset
     if accelerator.is_main_process and getattr(dataset, "scale_note", None):
         print(f"latents: {dataset.scale_note}")
     world, (workers, note) = accelerator.num_processes, loader_workers(cfg.train.general.num_workers)
@@ -243,6 +244,14 @@ def load_data(cfg: DictConfig, accelerator: Accelerator, start_micro_step: int, 
                                          persistent_workers=workers > 0,
                                          generator=torch.Generator())  # keeps the global RNG untouched
     return sampler, iter(loader)
+
+
+def training_dataset(cfg: DictConfig):
+    """The run's dataset, checked as far as it can be without training (data.build_dataset): train.py builds
+    it before the run folder exists, so a bad dataset leaves nothing behind."""
+    g = cfg.train.general
+    return build_dataset(cfg.dataset, seed=cfg.global_seed, teacher_images=bool(cfg.repa.enabled),
+                         global_batch=g.batch_size // g.get("grad_accum_steps", 1))
 
 
 def seed_random_streams(cfg: DictConfig, accelerator: Accelerator, state: Optional[dict], step: int):
@@ -369,13 +378,14 @@ def evaluate(run: Run, step: int):
         Progress.write(f"step {step}: {format_metrics(scores)}")
 
 
-def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None):
+def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None, dataset=None):
     """Train until train.max_steps, on a config `training.config_check` accepted. `end_training=False` keeps
     the process group alive (one launch that runs a whole Hydra sweep); `heartbeat()` is called at every log
-    step, checkpoint and evaluation (the run lock's refresh)."""
+    step, checkpoint and evaluation (the run lock's refresh); `dataset`: `training_dataset(cfg)`, built by the
+    caller before the run folder (None: built here)."""
     started = time.time()
     heartbeat = heartbeat or (lambda: None)
-    run = setup(cfg)
+    run = setup(cfg, dataset)
     run.started = started
     accelerator, t = run.accelerator, cfg.train
     model_params, ema_params = list(run.model.parameters()), list(run.ema.parameters())

@@ -2,12 +2,14 @@
 TensorBoard, wandb only when it is enabled and installed, and the closing summary line."""
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from dit import DiT_models
+from routing_module import selection_options
 from training.flops import format_report, routing_flop_report
 from tread_utils.cli import format_duration
 from training.run_dir import drop_redone_records
@@ -69,11 +71,37 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def describe_selection(route) -> str:
+    """A route's selection rule with every option it runs with (its defaults written out), e.g. `random
+    selection`, `importance selection importance_mix=0.5`."""
+    options = {name: default for name, (_, _, default) in selection_options(route.selection).items()}
+    options.update(route.options)
+    return " ".join([f"{route.selection} selection", *(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                                       for k, v in options.items())])
+
+
 def describe_routes(routes) -> str:
-    """Routes in one short line, e.g. `2->8 at 0.5`, `2->8 at 0.75 (sprint)` (a Route's repr runs long)."""
-    return ", ".join(f"{r.start_layer_idx}->{r.end_layer_idx} at {r.selection_ratio:g}"
-                     + (f" ({r.fusion})" if getattr(r, "fusion", "none") != "none" else "")
-                     + (f" ({r.schedule.kind} schedule)" if r.schedule.kind != "constant" else "") for r in routes)
+    """Placed routes (`Route`s) in one short line, e.g. `2->8 at 0.5 (random selection)`, `2->8 at 0.75
+    (importance selection importance_mix=0.5, sprint fusion, linear schedule)` (a Route's repr runs long)."""
+    return ", ".join(f"{r.start_layer_idx}->{r.end_layer_idx} at {r.selection_ratio:g} ("
+                     + ", ".join([describe_selection(r)]
+                                 + ([f"{r.fusion} fusion"] if r.fusion != "none" else [])
+                                 + ([f"{r.schedule.kind} schedule"] if r.schedule.kind != "constant" else []))
+                     + ")" for r in routes)
+
+
+def launch_shortfall(running: int, environ=os.environ) -> str:
+    """One line when `accelerate launch` was asked for more processes than run. Its plain launcher (`--cpu`, or no
+    `--multi_gpu`) starts one process whatever `--num_processes` says (several only under MPI); it marks its
+    child with ACCELERATE_USE_CPU and, when asked for more than one process, MASTER_ADDR, without the
+    WORLD_SIZE that torchrun (`--multi_gpu`) gives every process it starts."""
+    asked_for_more = "ACCELERATE_USE_CPU" in environ and "MASTER_ADDR" in environ and "WORLD_SIZE" not in environ
+    if running > 1 or not asked_for_more:
+        return ""
+    return ("warning: accelerate launch was asked for more than one process but started this one alone (its --cpu "
+            "launcher, as any launch without --multi_gpu, starts one): this run trains on 1 process; for data-parallel "
+            "training on CPUs launch with `accelerate launch --multi_gpu --num_processes N train.py ...` (without "
+            "a GPU the processes train on the CPU)")
 
 
 def describe_model(backbone_type: str, model) -> str:
@@ -105,6 +133,9 @@ def open_run_log(run, resumed_from) -> MetricsLogger:
     print(f"{describe_model(cfg.model.backbone_type, run.model)} ({cfg.model.name}): {parameter_count(n_params)} "
           f"parameters, routes {routes}, {world} process(es) on {run.accelerator.device}, global batch "
           f"{cfg.train.general.batch_size}, run dir {run.run_dir}")
+    shortfall = launch_shortfall(world)
+    if shortfall:
+        print(shortfall)
     print(f"resuming from {resumed_from} at step {run.step}" if resumed_from is not None else "starting at step 0")
     if router.routes or run.projector is not None:
         per_rank_batch = cfg.train.general.batch_size // world
