@@ -1,13 +1,15 @@
 """The suite's `python` subprocesses, forked from an interpreter that has already imported torch.
 
 Most of the suite's time goes to the commands it runs as subprocesses (train.py, sample.py, the tools), and a
-fresh interpreter spends about two seconds importing torch, Hydra and accelerate before a command starts. Under
-pytest, `subprocess.Popen([sys.executable, ...])` with the suite's own environment (`conftest.subprocess_env()`
-as it is at that moment) is instead forked from a server process that imported those libraries with that same
-environment, so whatever they read from it at import time is what a fresh process reads. The forked child then runs the command as
+fresh interpreter spends about four seconds importing torch, dynamo and Hydra before a command starts. Under
+pytest, `subprocess.Popen([sys.executable, ...])` is instead forked from a server process that imported torch,
+dynamo, NumPy and Hydra with the suite's own environment (`conftest.subprocess_env()` as it is at that moment),
+when the command's environment agrees with it on every variable those imports may read (`READ_AT_IMPORT`), so
+what they read is what a fresh process reads. The forked child then runs the command as
 `python` does: its argv, cwd, `sys.path[0]`, `__main__`, standard streams, exit status, atexit handlers, signals.
-Anything else (another program, interpreter flags, another environment, a new session) starts a fresh process
-as usual, and `TREAD_TESTS_FRESH=1` starts every one fresh.
+Anything else (another program, interpreter flags, an environment that differs there, a new session) starts a
+fresh process as usual, and so does every command while `TREAD_TESTS_FRESH=1` is set (in the suite's environment
+or in the command's).
 
 The child is the server's, not the test's: the test process gets its pid and exit status from the server.
 """
@@ -27,7 +29,12 @@ import tempfile
 import threading
 import time
 
-PRELOAD = ("torch", "torch._dynamo", "numpy", "hydra", "omegaconf", "accelerate", "safetensors")
+PRELOAD = ("torch", "torch._dynamo", "numpy", "hydra", "omegaconf")
+# What those libraries (and the interpreter) may read from the environment while importing: a command whose
+# environment differs from the suite's elsewhere (HOME, HF_HOME, HF_HUB_OFFLINE: huggingface_hub reads those when
+# imported, which is why it is not preloaded) is forked all the same, and gets its own environment before it runs.
+READ_AT_IMPORT = ("PYTHON", "LD_", "PATH", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "GOTO", "NUMEXPR",
+                  "NPY_", "NUMPY", "CUDA", "NCCL", "TRITON", "HYDRA", "TMP", "TEMP", "USER", "LOGNAME", "LANG", "LC_")
 EXECUTE_CHILD = list(inspect.signature(subprocess.Popen._execute_child).parameters)[1:]  # the names, after self
 STATUS = struct.Struct("q")
 
@@ -184,8 +191,8 @@ def start_server(env: dict):
 
 
 def comparable(env: dict) -> dict:
-    """The environment the server's imports saw, less what pytest changes for every test (no library reads it)."""
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    """The part of an environment that the server's imports may have read."""
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT)}
 
 
 def command_args(args):
@@ -212,7 +219,8 @@ class PrewarmedPopen(subprocess.Popen):
         plain = (not given["shell"] and given["executable"] is None and given["preexec_fn"] is None
                  and not given["pass_fds"] and not given["start_new_session"] and given.get("process_group", -1) == -1
                  and given["uid"] is None and given["gid"] is None and given["gids"] is None and given["umask"] < 0)
-        path = server_for(env) if args is not None and plain else None
+        fresh = env.get("TREAD_TESTS_FRESH") == "1"
+        path = server_for(env) if args is not None and plain and not fresh else None
         if path is None:
             return super()._execute_child(*call)
         streams = [fd if fd != -1 else own for fd, own in

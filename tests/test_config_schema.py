@@ -254,7 +254,7 @@ def test_a_bad_plain_value_is_refused_before_torch_is_imported():
             "try:\n    check_train_config(compose_train('train.ckpt_every=0'))\n"
             "except UserError as e:\n    print('refused:', e)\n"
             "print('torch loaded:', 'torch' in sys.modules)")
-    fresh = {**subprocess_env(), "TREAD_TESTS_FRESH": "1"}  # another environment: a fresh interpreter (prewarmed.py)
+    fresh = {**subprocess_env(), "TREAD_TESTS_FRESH": "1"}  # a fresh interpreter, not a prewarmed one (prewarmed.py)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", env=fresh, capture_output=True, text=True,
                           timeout=120)
     assert "refused: train.ckpt_every=0" in proc.stdout, proc.stdout + proc.stderr

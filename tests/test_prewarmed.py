@@ -11,13 +11,13 @@ import pytest
 import prewarmed
 from conftest import REPO, subprocess_env
 
-PROBE = ("import os, sys; print(sys.argv, __name__, sys.path[0], os.getcwd(), os.environ.get('PROBE_VALUE'), "
+PROBE = ("import os, sys; print(sys.argv, __name__, sys.path[0], os.getcwd(), os.environ.get('HOME'), "
          "sys.stdin.read()); print('to stderr', file=sys.stderr); sys.exit(3)")
 
 
 def fresh_and_prewarmed(args, **kwargs):
     """The same command through the original Popen (a fresh interpreter) and through the prewarmed server."""
-    env = subprocess_env()
+    env = {**subprocess_env(), "HOME": "/elsewhere"}  # a variable no preloaded library reads: still served
     runs = []
     for popen in (subprocess._ORIGINAL_POPEN, prewarmed.PrewarmedPopen):
         with popen([sys.executable, *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -45,10 +45,14 @@ def test_code_module_and_script_run_as_in_a_fresh_interpreter(tmp_path):
     assert served and (code, out, err) == (code2, out2, err2) and code == 0 and "usage" in out
 
 
-def test_another_environment_starts_a_fresh_process():
-    env = {**subprocess_env(), "PROBE_VALUE": "1"}
-    with subprocess.Popen([sys.executable, "-c", "pass"], env=env) as proc:
-        assert proc.wait(timeout=120) == 0 and proc._conn is None
+def test_an_environment_the_imports_read_differently_starts_a_fresh_process():
+    for changed, served in ((("OMP_NUM_THREADS", "3"), False), (("TREAD_TESTS_FRESH", "1"), False),
+                            (("PROBE_VALUE", "1"), True)):
+        env = {**subprocess_env(), changed[0]: changed[1]}
+        with subprocess.Popen([sys.executable, "-c", f"import os; print(os.environ[{changed[0]!r}])"], env=env,
+                              stdout=subprocess.PIPE, text=True) as proc:
+            assert proc.communicate(timeout=120)[0] == changed[1] + "\n"
+            assert proc.returncode == 0 and (proc._conn is not None) == served, changed
 
 
 def test_signals_reach_the_command_and_its_status_comes_back():
