@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from tools.report_plots import new_figure, save
+from tools.route_probe_trained import containing, suggestion_caveat, trained_line
 
 
 def pareto_front(rows) -> set:
@@ -31,8 +32,11 @@ def suggest(rows, target_speedup=None, target_memory=None):
 def annotate(result: dict, target_speedup=None, target_memory=None) -> dict:
     """Marks the Pareto front and adds the targets and the suggestion to a `measure` result."""
     front = pareto_front(result["routes"])
+    trained = result.get("trained_routes")
     for i, row in enumerate(result["routes"]):
         row["pareto"] = i in front
+        if trained and trained["routes"] is not None:
+            row["inside_trained_route"] = containing(row["start"], row["end"], trained)
     chosen = suggest(result["routes"], target_speedup, target_memory)
     result.update(target_speedup=target_speedup, target_memory=target_memory,
                   suggestion=None if chosen is None else chosen["route"])
@@ -52,14 +56,17 @@ def suggestion_line(result: dict) -> str:
     return (f"Suggested route for {targets}: {row['route']} (speed-up bound {row['flop_speedup_bound']:.3f}x, "
             f"activation memory {row['activation_memory_fraction']:.0%}, damage {row['damage']:+.5f} "
             f"[{row['damage_ci'][0]:+.5f}, {row['damage_ci'][1]:+.5f}], {row['relative_damage']:+.1%} of the "
-            f"unrouted loss).")
+            f"unrouted loss)." + suggestion_caveat(result))
 
 
 def markdown(result: dict) -> str:
     timed = result["routes"] and "step_ms" in result["routes"][0]
+    marked = any(r.get("inside_trained_route") for r in result["routes"])
     head = ("| route | speed-up bound | activation memory | loss | damage | "
-            f"{result['confidence']:.0%} interval | relative | Pareto |" + (" unrouted step (ms) | step (ms) | measured speed-up |"
-                                                                             if timed else ""))
+            f"{result['confidence']:.0%} interval | relative | Pareto |" +
+            (" unrouted step (ms) | step (ms) | measured speed-up |" if timed else "") +
+            (" inside trained route |" if marked else ""))
+    trained = trained_line(result)
     lines = [f"# Route probe: {result['model']}", "",
              f"Command: `{result['command']}`", "",
              f"Source: `{result['source']}`; {result['samples']} samples ({result['batches']} batches of "
@@ -69,6 +76,7 @@ def markdown(result: dict) -> str:
              "Damage: the routed minus the unrouted training loss of the same samples, noise and noise levels "
              "(training-mode routing on the trained weights, no training); the interval is a paired t interval "
              "over samples. Best first.", "",
+             *([trained, ""] if trained else []),
              suggestion_line(result), "", head, "|" + "---|" * head.count(" |")]
     for row in sorted(result["routes"], key=lambda r: r["damage"]):
         lines.append(
@@ -76,7 +84,7 @@ def markdown(result: dict) -> str:
             f"{row['loss']:.5f} | {row['damage']:+.5f} | [{row['damage_ci'][0]:+.5f}, {row['damage_ci'][1]:+.5f}] | "
             f"{row['relative_damage']:+.1%} | {'yes' if row['pareto'] else ''} |" + (
                 f" {row['unrouted_step_ms']:.1f} | {row['step_ms']:.1f} | {row['measured_speedup']:.3f}x |"
-                if timed else ""))
+                if timed else "") + (f" {row.get('inside_trained_route') or ''} |" if marked else ""))
     lines += ["", "Cosine similarity between each block's input and output tokens (unrouted):", "",
               "| block | " + " | ".join(str(k) for k in range(result["depth"])) + " |",
               "|---|" + "---|" * result["depth"],
@@ -84,28 +92,30 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, out: Path, stem: str = "probe") -> None:
-    """Left: damage against the FLOP-bound speed-up with intervals, the Pareto front and the suggestion. Right:
-    the block similarity curve."""
+def draw(result: dict):
+    """(plt, fig, the damage axes, the similarity axes) of one probe. Left: damage against the FLOP-bound
+    speed-up with intervals, the Pareto front and the suggestion. Right: the block similarity curve, with the
+    trained routes shaded."""
     plt, fig, ax = new_figure(12, 5)
     fig.delaxes(ax)
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     rows = result["routes"]
     ratios = sorted({r["ratio"] for r in rows})
-    for k, ratio in enumerate(ratios):
+    colors = {ratio: f"C{k}" for k, ratio in enumerate(ratios)}
+    for ratio in ratios:
         chosen = [r for r in rows if r["ratio"] == ratio]
         left.errorbar([r["flop_speedup_bound"] for r in chosen], [r["damage"] for r in chosen],
                       yerr=[[r["damage"] - r["damage_ci"][0] for r in chosen],
                             [r["damage_ci"][1] - r["damage"] for r in chosen]],
-                      fmt="o", ms=4, capsize=2, color=f"C{k}", label=f"ratio {ratio:g}")
+                      fmt="o", ms=4, capsize=2, color=colors[ratio], label=f"ratio {ratio:g}")
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["flop_speedup_bound"])
     left.plot([r["flop_speedup_bound"] for r in front], [r["damage"] for r in front], "k--", lw=1,
               label="Pareto front")
     for r in rows:
         left.annotate(f"{r['start']}->{r['end']}", (r["flop_speedup_bound"], r["damage"]), fontsize=6,
                       xytext=(3, 3), textcoords="offset points")
-    if result["suggestion"]:
-        best = next(r for r in rows if r["route"] == result["suggestion"])
+    best = next((r for r in rows if r["route"] == result["suggestion"]), None)
+    if best is not None:
         left.plot(best["flop_speedup_bound"], best["damage"], marker="*", ms=16, color="gold", mec="k", ls="",
                   label=f"suggested: {best['route']}")
     if result["target_speedup"]:
@@ -116,10 +126,21 @@ def plot(result: dict, out: Path, stem: str = "probe") -> None:
     left.set_title("cost and damage of each route (no training)", fontsize=10)
     left.legend(fontsize=7)
     right.plot(range(result["depth"]), result["block_similarity"], marker="o")
+    trained = (result.get("trained_routes") or {}).get("routes") or []
+    for k, t in enumerate(trained):
+        right.axvspan(t["start"] - 0.5, t["end"] + 0.5, color="0.85", zorder=0,
+                      label="trained route" + ("s" if len(trained) > 1 else "") if k == 0 else None)
+    if trained:
+        right.legend(fontsize=7)
     right.set_xlabel("block")
     right.set_ylabel("cosine similarity, input vs output tokens")
     right.set_title("block similarity (unrouted)", fontsize=10)
     right.grid(alpha=0.3)
+    return plt, fig, left, right
+
+
+def plot(result: dict, out: Path, stem: str = "probe") -> None:
+    plt, fig, _, _ = draw(result)
     save(plt, fig, out, stem)
 
 
