@@ -1,10 +1,20 @@
 """The route probe's report (tools/route_probe.py): the Pareto front of damage against speed-up, the suggested
-route, and the markdown table, JSON and picture of one probe."""
+route, and the markdown table, JSON and picture of one probe. Run as a module, it redraws the pictures of
+recorded probes from their JSON:
+
+    python -m tools.route_probe_report docs/results/route_probe/digits/probe.json
+"""
 import json
+import sys
 from pathlib import Path
 
+import numpy as np
+
 from tools.report_plots import new_figure, save
+from tools.route_probe_labels import needs_leader, place_labels
 from tools.route_probe_trained import containing, suggestion_caveat, trained_line
+from tread_utils.cli import ArgumentParser
+from tread_utils.errors import UserError, report_user_errors
 
 
 def pareto_front(rows) -> set:
@@ -92,10 +102,78 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def box(bbox) -> tuple:
+    return bbox.x0, bbox.y0, bbox.x1, bbox.y1
+
+
+def point_obstacles(ax, rows, dpi: float) -> list:
+    """Display boxes of the markers (4 points wide) and of the error bars with their caps (2 points)."""
+    pad = 3 * dpi / 72
+    boxes = []
+    for r in rows:
+        (x, y), (_, low), (_, high) = ax.transData.transform(
+            [(r["flop_speedup_bound"], r["damage"]), (r["flop_speedup_bound"], r["damage_ci"][0]),
+             (r["flop_speedup_bound"], r["damage_ci"][1])])
+        boxes += [(x - pad, y - pad, x + pad, y + pad), (x - pad, min(low, high), x + pad, max(low, high))]
+    return boxes
+
+
+def line_obstacles(ax, spacing: float = 2.0) -> list:
+    """Points every `spacing` pixels along the drawn lines of `ax` (the Pareto front, the target and zero
+    lines), as boxes of no size: a label on a line is hard to read."""
+    boxes = []
+    for line in ax.lines:
+        if line.get_linestyle() in ("None", "", " "):
+            continue  # markers only: the points, their caps and the star
+        path = line.get_transform().transform(line.get_xydata())
+        for a, b in zip(path[:-1], path[1:]):
+            count = max(2, int(np.hypot(*(b - a)) / spacing) + 1)
+            boxes += [(x, y, x, y) for x, y in np.linspace(a, b, count).tolist()]
+    return boxes
+
+
+def label_points(fig, ax, rows, colors: dict, suggested=None) -> None:
+    """Each route's START->END beside its point, in its ratio's colour, placed so that no two labels overlap
+    (tools/route_probe_labels.py); a label moved away from its point is joined to it by a line."""
+    fig.tight_layout()  # the final layout first: the labels are placed in display coordinates
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend()
+    legend_box = legend.get_window_extent(renderer)
+    legend.set_loc(tuple(ax.transAxes.inverted().transform((legend_box.x0, legend_box.y0))))  # stays there
+    obstacles = [box(legend_box), *point_obstacles(ax, rows, fig.dpi), *line_obstacles(ax)]
+    if suggested is not None:
+        x, y = ax.transData.transform((suggested["flop_speedup_bound"], suggested["damage"]))
+        star = 8 * fig.dpi / 72
+        obstacles.append((x - star, y - star, x + star, y + star))
+    texts = [f"{r['start']}->{r['end']}" for r in rows]
+    sizes = []
+    for text in texts:
+        t = fig.text(0, 0, text, fontsize=6)
+        extent = t.get_window_extent(renderer)
+        sizes.append((extent.width, extent.height))
+        t.remove()
+    anchors = ax.transData.transform([(r["flop_speedup_bound"], r["damage"]) for r in rows])
+    order = sorted(range(len(rows)), key=lambda i: (anchors[i][1], anchors[i][0]))  # the crowd near 0 first
+    first = 5 * fig.dpi / 72  # clear of the marker's half-size and its error bar's caps (3 points)
+    placed = place_labels([anchors[i] for i in order], [sizes[i] for i in order], box(ax.get_window_extent()),
+                          obstacles, first=first)
+    to_points = 72 / fig.dpi
+    for i, label in zip(order, placed):
+        (x, y), r = anchors[i], rows[i]
+        centre = ((label[0] + label[2]) / 2 - x) * to_points, ((label[1] + label[3]) / 2 - y) * to_points
+        leader = dict(arrowstyle="-", lw=0.5, color="0.5", shrinkA=0, shrinkB=2) \
+            if needs_leader((x, y), label, first) else None
+        note = ax.annotate(texts[i], (r["flop_speedup_bound"], r["damage"]), xytext=centre, textcoords="offset points",
+                           ha="center", va="center", fontsize=6, color=colors[r["ratio"]], arrowprops=leader,
+                           annotation_clip=False)
+        note.set_in_layout(False)  # the layout is final: a label must not move the axes it was placed in
+
+
 def draw(result: dict):
     """(plt, fig, the damage axes, the similarity axes) of one probe. Left: damage against the FLOP-bound
-    speed-up with intervals, the Pareto front and the suggestion. Right: the block similarity curve, with the
-    trained routes shaded."""
+    speed-up with intervals, the Pareto front, the suggestion and the labelled routes. Right: the block
+    similarity curve, with the trained routes shaded."""
     plt, fig, ax = new_figure(12, 5)
     fig.delaxes(ax)
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -111,9 +189,6 @@ def draw(result: dict):
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["flop_speedup_bound"])
     left.plot([r["flop_speedup_bound"] for r in front], [r["damage"] for r in front], "k--", lw=1,
               label="Pareto front")
-    for r in rows:
-        left.annotate(f"{r['start']}->{r['end']}", (r["flop_speedup_bound"], r["damage"]), fontsize=6,
-                      xytext=(3, 3), textcoords="offset points")
     best = next((r for r in rows if r["route"] == result["suggestion"]), None)
     if best is not None:
         left.plot(best["flop_speedup_bound"], best["damage"], marker="*", ms=16, color="gold", mec="k", ls="",
@@ -136,6 +211,7 @@ def draw(result: dict):
     right.set_ylabel("cosine similarity, input vs output tokens")
     right.set_title("block similarity (unrouted)", fontsize=10)
     right.grid(alpha=0.3)
+    label_points(fig, left, rows, colors, best)
     return plt, fig, left, right
 
 
@@ -151,3 +227,36 @@ def write(result: dict, out: Path, stem: str = "probe") -> list:
     (out / f"{stem}.md").write_text(markdown(result))
     plot(result, out, stem)
     return [out / f"{stem}.{ext}" for ext in ("json", "md", "png", "svg")]
+
+
+PICTURED = ("routes", "suggestion", "target_speedup", "depth", "block_similarity")  # what `draw` reads
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m tools.route_probe_report",
+                       description="Draw probe.png and probe.svg again from recorded probes' probe.json.")
+    p.add_argument("probes", nargs="+", help="probe.json files written by python -m tools.route_probe")
+    return p
+
+
+def main(argv=None) -> list:
+    """The pictures of each probe.json named, beside it (when the picture's code changed, not the probe)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    results = []
+    for path in map(Path, args.probes):  # every file read before any picture is drawn
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path} cannot be read as JSON ({type(e).__name__}: {e})") from None
+        if not isinstance(result, dict) or any(k not in result for k in PICTURED) or not result["routes"]:
+            raise UserError(f"{path} is not a probe.json written by python -m tools.route_probe (it needs "
+                            f"{', '.join(PICTURED)})")
+        results.append((path, result))
+    for path, result in results:
+        plot(result, path.parent, path.stem)
+        print(f"redrew {path.parent / path.stem}.png and .svg")
+    return [path.parent / f"{path.stem}.png" for path, _ in results]
+
+
+if __name__ == "__main__":
+    report_user_errors(main)()
