@@ -7,12 +7,15 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from dit import get_model
+from data import build_dataset
+from dit import DiT, get_model
 from tools.diffusers_toy import random_flux
 from tools.route_probe import main
 from tools.route_probe_measure import Candidate, default_candidates
 from tools.route_probe_report import annotate, pareto_front, suggest, suggestion_line
+from training.checkpoint import build_objective, save_checkpoint
 from training.exported import write_export
 from tread_utils.errors import report_user_errors
 
@@ -30,6 +33,50 @@ def dit_folder(tmp_path_factory):
     torch.manual_seed(0)
     model = get_model(RUN_CFG["model"]["backbone_type"], RUN_CFG["model"]["params"])
     return write_export(model, RUN_CFG, 0, tmp_path_factory.mktemp("probe") / "tiny")
+
+
+def train_tiny(root, routes, steps=40):
+    """A tiny DiT (16 tokens) trained `steps` steps on the 8 x 8 digits in-process, with `routes` in training,
+    saved as train.py saves a run (root/run/checkpoints/ckpt_*.pt with its config) and exported (root/exported)."""
+    cfg = json.loads(json.dumps(RUN_CFG))
+    cfg["model"]["backbone_type"] = "DiT-T/2"
+    cfg["model"]["params"].update(enable_routing=bool(routes), routes=routes)
+    torch.manual_seed(0)
+    model = get_model(cfg["model"]["backbone_type"], cfg["model"]["params"])
+    net, loss_fn = build_objective(OmegaConf.create(cfg["diffuser"]), model)
+    digits = build_dataset(OmegaConf.create(cfg["dataset"]), 0)
+    images = torch.stack([digits[i][0] for i in range(len(digits))]).float()
+    labels = torch.tensor([int(digits[i][1]) for i in range(len(digits))])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    net.train()
+    for step in range(steps):
+        batch = torch.randint(len(images), (64,), generator=torch.Generator().manual_seed(step))
+        loss = loss_fn(net, images[batch], labels[batch], routing_seed=step).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    state = model.state_dict()
+    ckpt = save_checkpoint({"model": state, "ema": state, "step": steps, "config": cfg}, root / "run" / "checkpoints",
+                           steps)
+    return {"run": root / "run", "ckpt": ckpt, "exported": write_export(model, cfg, steps, root / "exported")}
+
+
+TRAINED_ROUTE = {"start_layer_idx": 1, "end_layer_idx": 4, "selection_ratio": 0.5}
+
+
+@pytest.fixture(scope="module")
+def tread_run(tmp_path_factory):
+    return train_tiny(tmp_path_factory.mktemp("tread"), [TRAINED_ROUTE])
+
+
+@pytest.fixture(scope="module")
+def dense_probe(tmp_path_factory):
+    """A probe of a tiny DiT trained without routes, and its folder."""
+    root = tmp_path_factory.mktemp("dense")
+    run = train_tiny(root, [])["run"]
+    return main([str(run), "--out", str(root / "probe"), "--routes", "1:3:0.75,4:4:0.25,2:3:0.5,0:1:0",
+                 "--batches", "2", "--batch-size", "32"]), root / "probe"
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +171,12 @@ def test_pareto_front_and_suggestion_on_known_rows():
     (["{dit}", "--batches", "0"], "--batches"),
     (["{flux}"], "--data"),
     (["{flux}", "--data", "{inputs}", "--batch-size", "99"], "fewer than --batches x --batch-size"),
+    (["{flux}", "--data", "{inputs}", "--exclude-inside-trained"], "does not record the routes"),
+    (["{tread}", "--routes", "2:3:0.5,1:4:0", "--exclude-inside-trained"], "every candidate lies inside"),
 ])
-def test_bad_arguments_give_one_line(dit_folder, flux_inputs, tmp_path, capsys, args, words):
-    args = [a.format(dit=dit_folder, flux=flux_inputs / "transformer", inputs=flux_inputs / "inputs.pt") for a in args]
+def test_bad_arguments_give_one_line(dit_folder, flux_inputs, tread_run, tmp_path, capsys, args, words):
+    args = [a.format(dit=dit_folder, flux=flux_inputs / "transformer", inputs=flux_inputs / "inputs.pt",
+                     tread=tread_run["run"]) for a in args]
     with pytest.raises(SystemExit) as stop:
         report_user_errors(main)([*args, "--out", str(tmp_path / "out")])
     lines = capsys.readouterr().err.strip().splitlines()
@@ -277,3 +327,66 @@ def test_a_family_without_an_objective_is_refused_before_its_weights_load(flux_i
         report_user_errors(main)([str(folder), "--data", str(flux_inputs / "inputs.pt"), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and "objective covers FluxTransformer2DModel, SD3Transformer2DModel" in err, err
+
+
+def test_damage_is_the_routed_minus_the_unrouted_loss_row_by_row(dense_probe):
+    result, _ = dense_probe
+    for row in result["routes"]:
+        rise = row["loss"] - result["unrouted_loss"]
+        assert row["damage"] == pytest.approx(rise, abs=1e-6), row["route"]
+        assert row["damage_ci"][0] <= rise <= row["damage_ci"][1], row["route"]
+
+
+def test_a_heavy_route_damages_a_trained_model(dense_probe):
+    result, _ = dense_probe
+    heavy = by_route(result)["1->3 @ 0.75"]
+    assert heavy["damage"] > 0 and heavy["damage_ci"][0] > 0 and heavy["relative_damage"] > 0
+
+
+def test_a_run_trained_without_routes_says_so(dense_probe):
+    result, folder = dense_probe
+    assert result["trained_routes"]["routes"] == [] and "inside_trained_route" in result["routes"][0]
+    assert "Trained routes: none (the run config in" in (folder / "probe.md").read_text()
+
+
+@pytest.mark.parametrize("source", ["run", "ckpt", "exported"])
+def test_the_trained_routes_are_recorded_and_qualify_the_suggestion(tread_run, tmp_path, source):
+    result = probe(tread_run[source], tmp_path, "--routes", "2:3:0.5,0:5:0.75")
+    trained = result["trained_routes"]
+    assert trained["routes"] == [{"route": "1->4 @ 0.5", "start": 1, "end": 4, "ratio": 0.5}]
+    assert str(tread_run[source]) in trained["source"]
+    rows = by_route(result)
+    assert rows["2->3 @ 0.5"]["inside_trained_route"] == "1->4 @ 0.5"
+    assert rows["0->5 @ 0.75"]["inside_trained_route"] is None
+    assert json.loads((tmp_path / "probe.json").read_text())["trained_routes"] == trained
+    doc = (tmp_path / "probe.md").read_text()
+    assert "Trained routes: 1->4 @ 0.5" in doc and "The 1 candidate(s) inside it show the damage" in doc
+    assert result["suggestion"] == "2->3 @ 0.5"
+    assert "It lies inside the trained route 1->4 @ 0.5" in suggestion_line(result)
+    assert "| inside trained route |" in doc and "| 1->4 @ 0.5 |" in doc
+
+
+def test_candidates_inside_the_trained_route_can_be_left_out(tread_run, tmp_path):
+    result = probe(tread_run["run"], tmp_path, "--routes", "2:3:0.5,1:4:0.25,0:5:0.5,3:5:0.25",
+                   "--exclude-inside-trained")
+    assert [r["route"] for r in result["routes"]] == ["0->5 @ 0.5", "3->5 @ 0.25"]
+    assert result["excluded_inside_trained"] == ["2->3 @ 0.5", "1->4 @ 0.25"]
+    doc = (tmp_path / "probe.md").read_text()
+    assert "The 2 candidate(s) inside it were left out (--exclude-inside-trained)" in doc
+    assert "lies inside" not in suggestion_line(result)
+
+
+def test_an_exported_folder_that_cannot_tell_says_unknown(dit_folder, tread_run, tmp_path, capsys):
+    assert probe(dit_folder, tmp_path / "dense", "--routes", "1:3:0.5")["trained_routes"]["routes"] == []
+    DiT.from_pretrained(tread_run["exported"], routes=[], enable_routing=False).save_pretrained(tmp_path / "plain")
+    result = probe(tmp_path / "plain", tmp_path / "out", "--routes", "1:3:0.5")
+    assert result["trained_routes"]["routes"] is None
+    assert "re-saved with routes=[]" in result["trained_routes"]["source"]
+    doc = (tmp_path / "out" / "probe.md").read_text()
+    assert "Trained routes: unknown" in doc and "The trained routes are unknown" in doc
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        report_user_errors(main)([str(tmp_path / "plain"), "--out", str(tmp_path / "no"), "--exclude-inside-trained"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "trained with are unknown" in err and "\n" not in err
+    assert not (tmp_path / "no").exists()

@@ -17,7 +17,9 @@ gets its FLOP-bound speed-up and activation-memory fraction, its damage (the ris
 the route applied to the trained model in training-mode routing, no training, paired against the unrouted
 loss on the same samples, noise and seeds, with a confidence interval), and optionally a measured step time.
 Writes probe.json, probe.md and probe.png (damage against speed-up with the Pareto front, and the cosine
-similarity between each block's input and output tokens) to --out. What this predicts: docs/route_probe.md.
+similarity between each block's input and output tokens) to --out, with the routes the model was trained with
+(tools/route_probe_trained.py): candidates inside them show little damage because of that training, and
+--exclude-inside-trained leaves them out. What this predicts, and for which models: docs/route_probe.md.
 """
 import json
 import sys
@@ -29,6 +31,7 @@ import torch
 from routing_module import RouteError, resolve_routes
 from tools.route_probe_measure import Candidate, DiffusersSubject, DiTSubject, default_candidates, measure
 from tools.route_probe_report import annotate, suggestion_line, write
+from tools.route_probe_trained import EXCLUDE_OPTION, exclude_inside, trained_line
 from tread_utils.cli import ArgumentParser, non_negative_int, positive_int
 from tread_utils.errors import UserError, report_user_errors
 
@@ -52,6 +55,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--weights", choices=("model", "ema"), default="model", help="DiT run: which weights")
     p.add_argument("--init-seed", type=non_negative_int, default=0, help="diffusers config without weights")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument(EXCLUDE_OPTION, action="store_true",
+                   help="leave out the candidates inside a route the model was trained with (their damage is near "
+                        "0 because of that training); the model must record its trained routes")
     return p
 
 
@@ -143,6 +149,9 @@ def load_subject(args):
     if config["_class_name"] not in DiffusersSubject.FAMILIES:  # before loading the weights
         raise UserError(f"the probe's flow-matching objective covers {', '.join(DiffusersSubject.FAMILIES)}; "
                         f"{folder} holds a {config['_class_name']}")
+    if args.exclude_inside_trained:  # the same refusal exclude_inside gives, before loading the weights
+        raise UserError(f"{EXCLUDE_OPTION}: a diffusers transformer's config.json does not record the routes it was "
+                        f"trained with, so none can be left out")
     if any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
         transformer, source = cls.from_pretrained(folder), str(folder)
     else:  # a config alone: the architecture with random weights (a dry run of the probe on a new model)
@@ -172,13 +181,19 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     subject = load_subject(args)
     candidates = parse_routes(args.routes, subject.depth) if args.routes else default_candidates(subject.depth)
+    excluded = None
+    if args.exclude_inside_trained:
+        candidates, excluded = exclude_inside(candidates, subject.trained, subject.source)
     print(f"probing {len(candidates)} route(s) on {subject.description}, {args.batches} x {args.batch_size} "
-          f"samples", flush=True)
+          f"samples" + (f"; left out inside the trained routes: {', '.join(excluded)}" if excluded else ""), flush=True)
     result = measure(subject, candidates, args.batches, args.batch_size, args.seed, args.time_steps,
                      progress=lambda line: print(line, flush=True))
     result = {"command": "python -m tools.route_probe " + " ".join(argv), **result}
+    if excluded is not None:
+        result["excluded_inside_trained"] = excluded
     annotate(result, args.target_speedup, args.target_memory)
     paths = write(result, Path(args.out))
+    print(trained_line(result))
     print(suggestion_line(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     return result

@@ -23,9 +23,11 @@ from data import build_dataset
 from dit import get_model
 from routing_module import TokenRouter, as_routes
 from tools.diffusers_toy import flow_matching_loss
+from tools.route_probe_trained import from_export, from_run_config, unknown
 from training.checkpoint import build_objective, load_model_state, read_checkpoint, resolve_checkpoint
 from training.flops import activation_memory_fraction, tokens_per_block, training_step_flops
 from tread_utils.errors import UserError
+from tread_utils.hub import is_exported_folder
 
 CONFIDENCE = 0.95
 
@@ -72,6 +74,9 @@ class DiTSubject:
         diffuser = OmegaConf.create({"name": "edm", **cfg["diffuser"]})
         self.net, self.loss_fn = build_objective(diffuser, self.model)
         self.depth = len(self.model.blocks)
+        self.trained = (from_export(ckpt, self.depth, sum(p.numel() for p in self.model.parameters()))
+                        if is_exported_folder(ckpt) else
+                        from_run_config(cfg, int(state["step"]), self.depth, f"the run config in {ckpt}"))
         self.fp32_after_route = params.get("fp32_after_route") is not False
         self.source = str(ckpt)
         self.step = int(state["step"])
@@ -143,6 +148,7 @@ class DiffusersSubject:
         self.family = family_of(transformer)
         self.depth = sum(len(getattr(transformer, n)) for n in self.family.block_lists)
         self.description = f"{name}, {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M parameters"
+        self.trained = unknown("a diffusers transformer's config.json does not record how it was trained")
         self.handle = None
 
     def samples(self, count: int, seed: int):
@@ -298,6 +304,7 @@ def measure(subject, candidates, batch_count: int, batch_size: int, seed: int, t
     return {"model": subject.description, "source": subject.source, "depth": subject.depth,
             "samples": batch_count * batch_size, "batches": batch_count, "batch_size": batch_size, "seed": seed,
             "confidence": CONFIDENCE, "unrouted_loss": mean_dense, "time_steps": time_steps,
+            "trained_routes": subject.trained,
             "block_similarity": similarity, "routes": rows}
 
 
