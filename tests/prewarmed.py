@@ -35,6 +35,7 @@ PRELOAD = ("torch", "torch._dynamo", "numpy", "hydra", "omegaconf")
 # imported, which is why it is not preloaded) is forked all the same, and gets its own environment before it runs.
 READ_AT_IMPORT = ("PYTHON", "LD_", "PATH", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "GOTO", "NUMEXPR",
                   "NPY_", "NUMPY", "CUDA", "NCCL", "TRITON", "HYDRA", "TMP", "TEMP", "USER", "LOGNAME", "LANG", "LC_")
+READ_WHEN_USED = ("TORCH_HOME", "CUDA_VISIBLE_DEVICES")  # read by torch.hub and at CUDA's first use, not on import
 EXECUTE_CHILD = list(inspect.signature(subprocess.Popen._execute_child).parameters)[1:]  # the names, after self
 STATUS = struct.Struct("q")
 
@@ -192,7 +193,7 @@ def start_server(env: dict):
 
 def comparable(env: dict) -> dict:
     """The part of an environment that the server's imports may have read."""
-    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT)}
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT) and k not in READ_WHEN_USED}
 
 
 def command_args(args):
