@@ -1,17 +1,17 @@
 """The families the SimpleTuner harness (lab/simpletuner_models.py) runs, one entry each, and what it knows of the
-rest: SimpleTuner's file and class per family, our block lists, and the tiny model (tests/diffusers_tiny.py's, so
+rest: SimpleTuner's file and class per family, our block lists, and the tiny model (lab/diffusers_tiny.py's, so
 the harness and the family checks build the same models); the families both route that cannot be run, and why
 SimpleTuner's file fails or differs where it does (read from its commit bc8e6ab, each difference isolated by a run).
 """
 import torch
 
-from tests import diffusers_tiny
+from lab import diffusers_tiny
 
 B = diffusers_tiny.B
 
 
 def tiny(name: str):
-    """tests/diffusers_tiny.py's model and inputs for `name` (its token grid is not needed here)."""
+    """lab/diffusers_tiny.py's model and inputs for `name` (its token grid is not needed here)."""
     def build():
         model, inputs, _ = diffusers_tiny.FAMILIES[name]()
         return model, inputs

@@ -25,7 +25,7 @@ import torch
 from backbones import diffusers_tread
 from backbones.diffusers_tread import apply_tread
 from lab.simpletuner_families import B, CAUSES, FAMILIES, LEAVES, REPLAY, image_first, source_file
-from tests.diffusers_tiny import TOKENS
+from lab.diffusers_tiny import TOKENS
 
 # Modules SimpleTuner's transformer files import at the top but never call on the path run here (SDPA attention,
 # no FlashAttention-3 processor); they are stubbed only when not installed, and a stub raises if it is ever used.

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
-from diffusers_tiny import B, blocks_of, build  # noqa: E402
+from lab.diffusers_tiny import B, blocks_of, build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 TEXT = 5

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
-from diffusers_tiny import build  # noqa: E402
+from lab.diffusers_tiny import build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow", "flux2", "chroma", "qwen", "ltx", "hunyuan", "zimage", "krea2",

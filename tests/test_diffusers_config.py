@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_tread import routes_from_config  # noqa: E402
-from diffusers_tiny import build  # noqa: E402
+from lab.diffusers_tiny import build  # noqa: E402
 from routing_module import RouteError, num_kept, resolve_routes  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_image_families import ZIMAGE_PATCH  # noqa: E402
-from diffusers_tiny import B, blocks_of, build  # noqa: E402
+from lab.diffusers_tiny import B, blocks_of, build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}

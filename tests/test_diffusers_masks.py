@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_masks import mask_to_tokens, masked_loss, read_mask  # noqa: E402
-from diffusers_tiny import B, build  # noqa: E402
+from lab.diffusers_tiny import B, build  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 GRID = (4, 4)  # SD3's tiny model: an 8 x 8 latent in 2 x 2 patches

@@ -13,7 +13,7 @@ import test_diffusers_compile as compile_checks  # noqa: E402
 import test_diffusers_tread as shared  # noqa: E402
 import test_diffusers_versions as versions  # noqa: E402
 from backbones import apply_tread  # noqa: E402
-from diffusers_tiny import B, blocks_of, bound, build, minimax_layout  # noqa: E402
+from lab.diffusers_tiny import B, blocks_of, bound, build, minimax_layout  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 NAMES = ("ernie", "minimax")

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("diffusers")
 from backbones import apply_tread  # noqa: E402
 from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
-from diffusers_tiny import (B, CHANNELS_LAST, IMAGE_FIRST, JOINT_ROPE, LORA_TARGETS, PACKED,  # noqa: E402
+from lab.diffusers_tiny import (B, CHANNELS_LAST, IMAGE_FIRST, JOINT_ROPE, LORA_TARGETS, PACKED,  # noqa: E402
                            ROPE_ATTENTION, TOKENS, VIDEO_FAMILIES, blocks_of, bound, build, reference_forward)
 from tread_utils.errors import UserError  # noqa: E402
 

@@ -22,8 +22,9 @@ LAYERS = [
     ["training"],
     ["train", "sample", "fid", "tools"],
     ["lab"],
+    ["tests"],
 ]
-SKIP_DIRS = {"tests", "docs", "configs", "scripts", "build"}
+SKIP_DIRS = {"docs", "configs", "scripts", "build"}
 
 
 def project_modules(repo: Path = REPO) -> dict:

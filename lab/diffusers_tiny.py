@@ -1,5 +1,5 @@
-"""Tiny random diffusers transformers of the routed families, with inputs, for the TREAD checks, and the
-routed forward built by hand that the hooks are compared with."""
+"""Tiny random diffusers transformers of the routed families, with inputs, and the routed forward built by hand
+that the hooks are compared with: for the tests and the SimpleTuner harness both."""
 import inspect
 
 import torch
