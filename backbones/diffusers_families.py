@@ -232,17 +232,27 @@ def _flux_tail(transformer, kw: dict) -> int:
     ids = kw.get("img_ids")
     if ids is None or torch.compiler.is_compiling():
         return 0
-    return int(((ids[0] if ids.ndim == 3 else ids)[:, 0] != 0).sum())
+    return reference_tokens(ids)
+
+
+def reference_tokens(ids: torch.Tensor) -> int:
+    """The number of reference-image tokens in img_ids (first coordinate not 0), checked to be the last ones: one
+    read of the device's values, the one wait for the GPU that an eager routed FLUX forward has."""
+    first = (ids[0] if ids.ndim == 3 else ids)[:, 0] != 0
+    found, trailing = torch.stack([first.sum(), first.flip(0).long().cumprod(0).sum()]).tolist()
+    if found != trailing:
+        raise UserError("TREAD reads FLUX Kontext's reference-image tokens as the last ones of hidden_states (img_ids' "
+                        "first coordinate not 0); put them after the target's tokens, as FluxKontextPipeline does")
+    return found
 
 
 @torch.library.custom_op("tread::check_reference_ids", mutates_args=())
 def check_reference_ids(ids: torch.Tensor, keep: torch.Tensor, references: int, given: bool) -> torch.Tensor:
     """The kept tokens `keep`, copied once FLUX Kontext's img_ids are checked against the reference-image count
-    the routes use (`given`: from tread_reference_tokens; else read from the ids, or 0 under torch.compile). An op
-    is opaque to torch.compile: a compiled forward, which cannot read the ids while tracing, runs this check on
-    their values when it runs, inside its one graph; returning the kept tokens keeps it in the data path."""
-    first = (ids[0] if ids.ndim == 3 else ids)[:, 0] != 0
-    found = int(first.sum())
+    the routes use (`given`: from tread_reference_tokens; else 0 under torch.compile). An op is opaque to
+    torch.compile: a compiled forward, which cannot read the ids while tracing, runs this check on their values
+    when it runs, inside its one graph; returning the kept tokens keeps it in the data path."""
+    found = reference_tokens(ids)
     counted = f"{found} FLUX Kontext reference-image tokens (img_ids' first coordinate not 0)"
     if found != references and given:
         raise UserError(f"tread_reference_tokens={references}, but img_ids has {counted}; pass "
@@ -250,9 +260,6 @@ def check_reference_ids(ids: torch.Tensor, keep: torch.Tensor, references: int, 
     if found != references:
         raise UserError(f"img_ids has {counted}, which a compiled forward cannot read; pass "
                         f"tread_reference_tokens={found} to the forward")
-    if found and not bool(first[len(first) - found:].all()):
-        raise UserError("TREAD reads FLUX Kontext's reference-image tokens as the last ones of hidden_states (img_ids' "
-                        "first coordinate not 0); put them after the target's tokens, as FluxKontextPipeline does")
     return keep.clone()
 
 

@@ -133,6 +133,7 @@ class TreadHandle:
         self._lead: dict = {}  # block list -> text tokens before the image (a SampleLead: per sample), this forward
         self._tail = 0  # conditioning tokens after the image in every block's hidden_states (this forward)
         self._tail_ids, self._tail_given = None, False  # where the tail is read from, whether it was given
+        self._narrowed: dict = {}  # (route, block kind) -> the per-token inputs cut for it, this forward (eager)
         self._names = positional_names(transformer)
         blocks = [(name, block) for name in family.block_lists for block in getattr(transformer, name)]
         self.depth = len(blocks)
@@ -158,7 +159,7 @@ class TreadHandle:
         mask = kwargs.pop("tread_mask", None)
         references = kwargs.pop("tread_reference_tokens", None)
         mask = self.mask if mask is None else read_mask(mask)
-        self._live, self._force_keep = {}, None
+        self._live, self._force_keep, self._narrowed = {}, None, {}
         self._on = module.training and torch.is_grad_enabled() and any(r.selection_ratio > 0 for r in self.routes)
         if getattr(module, "gradient_checkpointing", False):
             func = getattr(module, "_gradient_checkpointing_func", None)
@@ -207,9 +208,10 @@ class TreadHandle:
         return select_kept_tokens(x, ratio, None, route.selection, force_keep, **dict(route.options))
 
     def _checked(self, keep: torch.Tensor) -> torch.Tensor:
-        """The kept tokens, passed through a check of the tail against the ids it is read from when the forward
-        runs: in the data path of every routed block, so a compiled forward runs it in its graph."""
-        if self._tail_ids is None:
+        """The kept tokens, passed through a check of a given or compiled tail count against the ids it is read
+        from when the forward runs: in the data path, so a compiled forward runs it in its graph. An eager forward
+        that read the count from the ids (and checked them there) skips it: each check waits for the GPU."""
+        if self._tail_ids is None or not (self._tail_given or torch.compiler.is_compiling()):
             return keep
         return check_reference_ids(self._tail_ids, keep, self._tail, self._tail_given)
 
@@ -252,9 +254,32 @@ class TreadHandle:
                 x = self._batch_first(kw[self.family.tokens])
                 image = _image_of(x, lead, tail) if image is None else image
                 kw[self.family.tokens] = self._batch_first(_with_image(x, lead, tail, start_route(image, keep)))
-            self.family.narrow(kw, keep)
+            self._narrow(k, kind, kw, keep)
             return (), kw
         return hook
+
+    def _narrow(self, k: int, kind: str, kw: dict, keep: torch.Tensor) -> None:
+        """The family's `narrow` of a block's keywords: its per-token inputs (RoPE tables, masks, per-token
+        embeddings) cut to the kept tokens. The transformer passes the same inputs to every block, so an eager
+        forward cuts them once per route and block kind and hands the cut ones to the other blocks and to the
+        recomputations in backward: per block, a routed step then costs a few dict lookups instead of gathers.
+        A compiled forward traces each cut (the graph computes it once). What the cut saves for backward is saved
+        as plainly (not left to a checkpoint to recompute): the recomputation, which finds the cut cached, must
+        save the same tensors as its forward."""
+        if torch.compiler.is_compiling():
+            self.family.narrow(kw, keep)
+            return
+        sizes = tuple(value.shape if isinstance(value, torch.Tensor) else None for value in kw.values())
+        cached = self._narrowed.get((k, kind))
+        if (cached is not None and cached[0] is keep and cached[1] == sizes
+                and all(kw.get(name) is original for name, original, _ in cached[2])):
+            kw.update((name, cut) for name, _, cut in cached[2])
+            return
+        originals = dict(kw)
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            self.family.narrow(kw, keep)
+        changed = tuple((name, originals.get(name), kw[name]) for name in kw if kw[name] is not originals.get(name))
+        self._narrowed[(k, kind)] = (keep, sizes, changed)
 
     def _post_hook(self, k: int, kind: str):
         def hook(module, args, output):
@@ -285,7 +310,11 @@ class TreadHandle:
             self.transformer._gradient_checkpointing_func = func._tread_original
         if getattr(self.transformer, "_tread_handle", None) is self:
             del self.transformer._tread_handle
-        self._live, self.last_keep, self.mask = {}, {}, None
+        self._live, self.last_keep, self.mask, self._narrowed = {}, {}, None, {}
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _image_of(x: torch.Tensor, lead, tail: int, count: Optional[int] = None) -> torch.Tensor:

@@ -13,6 +13,12 @@ alternating blocks (`--rounds` x `--steps`) so that both see the same load on a 
 are compared: speed-up = unrouted / routed, bound = FLOPs unrouted / FLOPs routed, and their ratio (1.0: routing
 saves all the time its FLOPs promise). The route is SimpleTuner's balanced one, {selection_ratio 0.5, start 2,
 end -2}. The record notes the machine's load.
+
+    python -m lab.bench_diffusers --flux-lora full --out flux_lora_gpu.json     # FLUX.1-dev LoRA on a GPU
+    python -m lab.bench_diffusers --flux-lora proxy --out docs/perf/diffusers_flux_host_cpu.json   # its host cost
+
+`--flux-lora` times the FLUX.1-dev LoRA fine-tune step instead (lab/bench_flux_lora.py): at full size on a GPU,
+eager and with compiled blocks, batch 1 and 2; or its host-cost proxy on a CPU.
 """
 import argparse
 import importlib.util
@@ -25,8 +31,10 @@ from pathlib import Path
 
 import torch
 
+from lab.bench_flux_lora import flux_lora_rows
 from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unrouted
 from tread_utils.errors import UserError, report_user_errors
+from tread_utils.precision import avoid_faulting_attention
 
 PACKED = ("flux", "flux2", "chroma", "qwen", "krea2")  # take packed latent tokens
 VIDEO = ("wan", "ltx", "hunyuan", "cosmos", "kandinsky", "ltx2", "minimax")
@@ -245,6 +253,7 @@ def to_markdown(record: dict) -> str:
              "FLOP bound | speed-up / bound |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         model = f"{r['arch']}, {r['base']}" if "base" in r else r["arch"]
+        model += {True: ", compiled blocks", False: ", eager"}.get(r.get("compiled"), "")
         lines.append(f"| {model} | {r['params_m']:.1f} | {r['blocks']} | {r['tokens']} | {r['batch']} | "
                      f"{r['unrouted_step_s'] * 1e3:.0f} | {r['routed_step_s'] * 1e3:.0f} | {r['speedup']:.3f}x | "
                      f"{r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f} |")
@@ -267,16 +276,51 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train LoRA adapters on an int8 weight-only base (needs peft and --quantizer's library)")
     p.add_argument("--quantizer", choices=tuple(QUANTIZERS), default="quanto",
                    help="--lora-int8's library: optimum-quanto qint8 (in the lora extra) or torchao (in no extra)")
+    p.add_argument("--flux-lora", choices=("full", "proxy"), default=None,
+                   help="time the FLUX.1-dev LoRA step instead: full size (a GPU) or its host-cost proxy (a CPU)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help="--flux-lora: batch sizes (default: 1 2 full, 1 proxy)")
+    p.add_argument("--compile", choices=("off", "on", "both"), default=None,
+                   help="--flux-lora: eager, compiled blocks (at the first batch size) or both (default: both full, off proxy)")
     p.add_argument("--out", default=None, help="JSON record (a .md table beside it)")
     return p
+
+
+def machine_line(load_before, load_after, dtype: str, gpu: bool) -> str:
+    if gpu:
+        import diffusers
+        import peft
+        return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
+                f"{torch.backends.cudnn.version()}, diffusers {diffusers.__version__}, peft {peft.__version__}, "
+                f"{dtype}")
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs "
+            f"(1-minute load average {load_before[0]:.1f} before, {load_after[0]:.1f} after), torch "
+            f"{torch.__version__}, {torch.get_num_threads()} threads, {dtype}")
+
+
+def flux_lora(args) -> tuple:
+    """(rows, attention line or None) of --flux-lora."""
+    if args.flux_lora == "full" and not torch.cuda.is_available():
+        raise UserError("--flux-lora full builds an 11.9 B-parameter transformer on a GPU; on a CPU run "
+                        "--flux-lora proxy")
+    attention = avoid_faulting_attention(False, "(train.keep_cudnn_attention / --keep-cudnn-attention)")
+    if attention:
+        print(attention, flush=True)
+    full = args.flux_lora == "full"
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile or ("both" if full else "off")]
+    rows = flux_lora_rows(args.flux_lora, args.batch_sizes or ([1, 2] if full else [1]), modes, ROUTES,
+                          args.rounds, args.steps)
+    return rows, attention
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    rows = []
-    for arch in args.archs:
+    rows, attention = [], None
+    if args.flux_lora:
+        rows, attention = flux_lora(args)
+    for arch in ([] if args.flux_lora else args.archs):
         model, batch = model_and_batch(arch, args.width, args.depth, args.tokens_side, args.batch_size,
                                        frames=args.frames)
         if args.lora_int8:
@@ -292,11 +336,11 @@ def main(argv=None):
               f"speed-up {result['speedup']:.3f}x, FLOP bound {result['flop_bound']:.3f}x, "
               f"speed-up / bound {result['speedup_vs_bound']:.3f}", flush=True)
     load_after = os.getloadavg()
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs "
-               f"(1-minute load average {load_before[0]:.1f} before, {load_after[0]:.1f} after), torch "
-               f"{torch.__version__}, {torch.get_num_threads()} threads, fp32")
+    gpu = args.flux_lora == "full"
+    machine = machine_line(load_before, load_after, rows[0].get("dtype", "float32") if rows else "float32", gpu)
+    device = torch.cuda.get_device_name() if gpu else "cpu"
     record = dict(command="python -m lab.bench_diffusers " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  machine=machine, routes=ROUTES["routes"], rows=rows)
+                  machine=machine, device=device, attention=attention, routes=ROUTES["routes"], rows=rows)
     if args.out:
         out = Path(args.out)
         out.write_text(json.dumps(record, indent=1) + "\n")

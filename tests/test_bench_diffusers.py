@@ -7,6 +7,7 @@ import torch
 pytest.importorskip("diffusers")
 from lab import bench_diffusers  # noqa: E402
 from tools.diffusers_toy import step_flops  # noqa: E402
+from tread_utils.errors import UserError  # noqa: E402
 
 
 def test_bench_writes_a_record_and_table(tmp_path):
@@ -85,3 +86,25 @@ def test_quanto_int8_matmuls_count_as_the_float_ones():
     bench_diffusers.quantized_lora(quantized)
     inputs = batch()
     assert step_flops(quantized, inputs) == step_flops(plain, inputs) > 0
+
+
+def test_flux_lora_proxy_writes_the_host_cost_record(tmp_path):
+    """The FLUX.1-dev LoRA step's host-cost proxy: FLUX.1-dev's 19 + 38 blocks at width 64, LoRA on the
+    attention projections, gradient checkpointing; a row with the fields a GPU row has."""
+    out = tmp_path / "proxy.json"
+    bench_diffusers.main(["--flux-lora", "proxy", "--rounds", "1", "--steps", "1", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["device"] == "cpu" and len(record["rows"]) == 1
+    row = record["rows"][0]
+    assert (row["blocks"], row["tokens"], row["batch"], row["compiled"]) == (57, 16, 1, False)
+    assert row["flop_bound"] > 1.0 and row["unrouted_step_s"] > 0 and row["routed_step_s"] > 0
+    assert row["speedup_vs_bound"] == pytest.approx(row["speedup"] / row["flop_bound"])
+    assert "| flux-dev depth, width 64, eager |" in out.with_suffix(".md").read_text()
+
+
+def test_flux_lora_full_size_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(UserError, match="on a CPU run --flux-lora proxy") as err:
+        bench_diffusers.main(["--flux-lora", "full"])
+    assert "\n" not in str(err.value)

@@ -59,3 +59,40 @@ def test_a_compiled_model_is_refused_with_the_order_to_follow():
         with pytest.raises(UserError, match="call apply_tread on the model first, then torch.compile") as err:
             apply_tread(target, ROUTE)
         assert "\n" not in str(err.value) and not model._forward_pre_hooks
+
+
+def test_compiled_blocks_route_as_eager_with_a_few_shared_graphs():
+    """compile_blocks: each block's forward compiled, the routing hooks eager around it. With gradient
+    checkpointing, a routed FLUX gives the eager model's kept tokens and gradients, the blocks of a class share
+    their graphs (5 for 9 blocks, as many at any depth: per class, full and kept length, and the first
+    single-stream block's input, a view of the joint sequence, has strides of its own), and a second call compiles
+    nothing more."""
+    from backbones.diffusers_compile import compile_blocks
+
+    def steps(model, handle):
+        grads = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            model.zero_grad()
+            sample(model(**inputs)[0]).square().mean().backward()
+            grads.append((handle.last_keep[0].clone(), [p.grad.clone() for p in model.parameters()]))
+        return grads
+
+    eager, inputs, _ = build("flux", layers=3, single_layers=6)
+    compiled, _, _ = build("flux", layers=3, single_layers=6)
+    for model in (eager, compiled):
+        model.enable_gradient_checkpointing()
+        model.train()
+    expected = steps(eager, apply_tread(eager, ROUTE))
+    handle = apply_tread(compiled, ROUTE)
+    torch._dynamo.reset()
+    counters["graph_break"].clear()
+    counter = CompileCounter()
+    blocks = compile_blocks(compiled, backend=counter)
+    assert blocks == 9
+    got = steps(compiled, handle)
+    for (keep, grads), (keep_eager, grads_eager) in zip(got, expected):
+        assert torch.equal(keep, keep_eager) and all(torch.equal(a, b) for a, b in zip(grads, grads_eager))
+    assert not torch.equal(got[0][0], got[1][0])
+    assert (counter.frame_count, sum(counters["graph_break"].values())) == (5, 0), dict(counters["graph_break"])
+    assert compile_blocks(compiled, backend=counter) == blocks and counter.frame_count == 5

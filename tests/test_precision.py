@@ -88,3 +88,59 @@ def test_grad_scaler_state_survives_a_resume(tmp_path, monkeypatch):
     resumed.logger.close()
     assert resumed.step == 3
     assert resumed.accelerator.scaler.state_dict() == scaler.state_dict()
+
+
+@pytest.mark.parametrize("torch_version, cudnn, capability, faults", [
+    ("2.11.0+cu130", 91300, (9, 0), True),    # the H100 where a FLUX LoRA step faulted
+    ("2.14.1+cu130", 92600, (10, 0), True),   # torch 2.11 and later: NaN query gradients (no fixed release)
+    ("2.10.0+cu128", 91400, (9, 0), True),    # cuDNN before 9.15.1: the illegal access
+    ("2.10.0+cu128", 91501, (9, 0), False),   # fixed cuDNN, torch before 2.11
+    ("2.11.0+cu130", 91300, (8, 0), False),   # an A100: torch does not pick cuDNN's attention first
+    ("2.11.0", None, None, False),            # no GPU
+])
+def test_cudnn_attention_fault_decision(torch_version, cudnn, capability, faults):
+    from tread_utils.precision import cudnn_attention_faults
+
+    assert cudnn_attention_faults(torch_version, cudnn, capability) is faults
+
+
+@pytest.fixture
+def hopper_with_torch_2_11(monkeypatch):
+    """torch as it reads an H100 with torch 2.11 and cuDNN 9.13, cuDNN's attention on."""
+    enabled = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91300)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: not enabled)
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: enabled.append(on))
+    return enabled
+
+
+def test_faulting_cudnn_attention_is_turned_off_in_one_line_unless_kept(hopper_with_torch_2_11):
+    from tread_utils.precision import avoid_faulting_attention
+
+    assert avoid_faulting_attention(True, "--keep") is None and hopper_with_torch_2_11 == []
+    line = avoid_faulting_attention(False, "--keep-cudnn-attention")
+    assert hopper_with_torch_2_11 == [False] and "\n" not in line
+    assert "torch 2.11.0+cu130, cuDNN 91300, sm90" in line and line.endswith("--keep-cudnn-attention keeps it")
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_train_py_decides_the_attention_backend_from_its_config(tmp_path, monkeypatch, capsys, keep):
+    seen = []
+    monkeypatch.setattr(loop, "avoid_faulting_attention", lambda *args: seen.append(args) or "attention: off")
+    run = train_setup(tmp_path, True, f"train.keep_cudnn_attention={str(keep).lower()}")
+    run.logger.close()
+    assert seen == [(keep, "train.keep_cudnn_attention=true")] and "attention: off\n" in capsys.readouterr().out
+
+
+def test_finetune_lora_decides_the_attention_backend(hopper_with_torch_2_11, monkeypatch):
+    from tools import finetune_lora
+
+    monkeypatch.setattr(finetune_lora, "build", lambda args, device: (_ for _ in ()).throw(SystemExit(0)))
+    for argv, expected in (([], [False]), (["--keep-cudnn-attention"], [])):
+        hopper_with_torch_2_11.clear()
+        with pytest.raises(SystemExit):
+            finetune_lora.main(["--device", "cpu", *argv])
+        assert hopper_with_torch_2_11 == expected

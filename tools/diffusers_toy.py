@@ -158,6 +158,7 @@ def flow_matching_loss(model, latents: torch.Tensor, text: torch.Tensor, pooled:
     t = torch.sigmoid(torch.randn(b, device=latents.device))
     noise = torch.randn_like(latents)
     x_t = (1 - t.view(-1, *[1] * (latents.ndim - 1))) * latents + t.view(-1, *[1] * (latents.ndim - 1)) * noise
+    x_t = x_t.to(latents.dtype)  # a bf16 model's latents stay bf16 (t is float32)
     pred = model(**model_inputs(model, x_t, text, pooled, t), return_dict=False)
     pred = pred if isinstance(pred, torch.Tensor) else pred[0]  # Kandinsky 5 returns the bare tensor
     if isinstance(pred, list):  # Z-Image: [C, 1, H, W] per sample
@@ -175,19 +176,26 @@ def step_flops(model, batch) -> int:
     return counter.get_total_flops()
 
 
-def routed_vs_unrouted(model, routes, batch_fn, optimizer, rounds: int = 5, steps: int = 3) -> dict:
+def routed_vs_unrouted(model, routes, batch_fn, optimizer, rounds: int = 5, steps: int = 3, flops=None) -> dict:
     """Median step time (forward, backward, optimizer step) routed and unrouted, alternating `rounds` blocks of
-    `steps` steps each so both see the same machine load, with the FLOP bound unrouted / routed."""
+    `steps` steps each so both see the same machine load, with the FLOP bound unrouted / routed. On a GPU each
+    step ends with a synchronisation: its time is the GPU's or the host's, whichever is longer. `flops`
+    ({False: unrouted, True: routed}) skips the counting (a compiled model's counts are its eager ones)."""
+    cuda = next(model.parameters()).is_cuda
+
     def one_step():
         optimizer.zero_grad(set_to_none=True)
         flow_matching_loss(model, *batch_fn()).backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
 
     model.train()
-    flops, times = {}, {True: [], False: []}
+    counted, times = dict(flops or {}), {True: [], False: []}
     for routed in (False, True):
         handle = apply_tread(model, routes) if routed else None
-        flops[routed] = step_flops(model, batch_fn())
+        if routed not in counted:
+            counted[routed] = step_flops(model, batch_fn())
         one_step()  # warm-up
         if handle:
             handle.remove()
@@ -201,7 +209,7 @@ def routed_vs_unrouted(model, routes, batch_fn, optimizer, rounds: int = 5, step
             if handle:
                 handle.remove()
     unrouted, routed = statistics.median(times[False]), statistics.median(times[True])
-    bound, speedup = flops[False] / flops[True], unrouted / routed
-    return dict(unrouted_step_s=unrouted, routed_step_s=routed, speedup=speedup, flops_unrouted=flops[False],
-                flops_routed=flops[True], flop_bound=bound, speedup_vs_bound=speedup / bound,
+    bound, speedup = counted[False] / counted[True], unrouted / routed
+    return dict(unrouted_step_s=unrouted, routed_step_s=routed, speedup=speedup, flops_unrouted=counted[False],
+                flops_routed=counted[True], flop_bound=bound, speedup_vs_bound=speedup / bound,
                 timed_steps_each=rounds * steps)

@@ -29,12 +29,13 @@ from data.digits import load_digits_split
 from tools.diffusers_toy import FixedTextEncoder, flow_matching_loss, pack, random_flux, routed_vs_unrouted
 from tread_utils.cli import ArgumentParser
 from tread_utils.errors import UserError, report_user_errors
+from tread_utils.precision import avoid_faulting_attention
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                 "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
 
 
-def load_pretrained(path: Path):
+def load_pretrained(path: Path, device: torch.device):
     """(transformer, latents-from-images function) from a local diffusers checkpoint folder."""
     import diffusers
 
@@ -45,20 +46,21 @@ def load_pretrained(path: Path):
     if name not in ("FluxTransformer2DModel", "SD3Transformer2DModel"):
         raise UserError(f"--pretrained {path}: transformer is {name}; this example fine-tunes FLUX or SD3")
     transformer = getattr(diffusers, name).from_pretrained(path, subfolder="transformer")
-    vae = diffusers.AutoencoderKL.from_pretrained(path, subfolder="vae").eval().requires_grad_(False)
+    vae = diffusers.AutoencoderKL.from_pretrained(path, subfolder="vae").eval().requires_grad_(False).to(device)
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
 
     @torch.no_grad()
     def encode(images):
-        latents = (vae.encode(images.expand(-1, 3, -1, -1)).latent_dist.mode() - shift) * scale
+        latents = (vae.encode(images.to(device).expand(-1, 3, -1, -1)).latent_dist.mode() - shift) * scale
         return pack(latents) if name == "FluxTransformer2DModel" else latents
     return transformer, encode
 
 
-def build(args):
+def build(args, device: torch.device):
     if args.pretrained:
-        return load_pretrained(Path(args.pretrained))
-    return random_flux(1, 64, 4, 2, 4, 32, seed=args.seed), pack
+        transformer, encode = load_pretrained(Path(args.pretrained), device)
+        return transformer.to(device), encode
+    return random_flux(1, 64, 4, 2, 4, 32, seed=args.seed).to(device), lambda images: pack(images).to(device)
 
 
 def add_lora(transformer, rank: int):
@@ -111,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared CPU)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the batch draws (and of the random architecture's weights and noise)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the transformer trains (cuda or cpu)")
+    p.add_argument("--keep-cudnn-attention", action="store_true",
+                   help="keep cuDNN's fused attention where its backward is known to fault (by default it is "
+                        "turned off there, said in one line)")
     p.add_argument("--out", default=None, help="also write the log to this file")
     return p
 
@@ -119,6 +126,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.resolution % 2:
         raise UserError("--steps and --batch-size must be positive and --resolution even")
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        raise UserError(f"--device {args.device}: give cpu, or cuda on a machine with a CUDA GPU")
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     lines = []
 
@@ -127,8 +137,12 @@ def main(argv=None):
         lines.append(line)
 
     log("command: python -m tools.finetune_lora " + " ".join(sys.argv[1:] if argv is None else argv))
-    transformer, encode = build(args)
-    text_encoder = FixedTextEncoder(transformer.config.joint_attention_dim, transformer.config.pooled_projection_dim)
+    attention = avoid_faulting_attention(args.keep_cudnn_attention, "--keep-cudnn-attention")
+    if attention:
+        log(attention)
+    transformer, encode = build(args, device)
+    text_encoder = FixedTextEncoder(transformer.config.joint_attention_dim,
+                                    transformer.config.pooled_projection_dim).to(device)
     trainable = add_lora(transformer, args.rank)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -137,13 +151,13 @@ def main(argv=None):
     images, labels = load_digits_split("train", args.resolution)
     test_images, test_labels = (t[:args.eval_samples] for t in load_digits_split("test", args.resolution))
     latents, test_latents = encode(images), encode(test_images)
-    test_text = text_encoder(test_labels)
+    test_text = text_encoder(test_labels.to(device))
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(args.seed)
 
     def batch():
         idx = torch.randint(len(labels), (args.batch_size,), generator=g)
-        return (latents[idx], *text_encoder(labels[idx]))
+        return (latents[idx.to(device)], *text_encoder(labels[idx].to(device)))
 
     log(f"model {type(transformer).__name__} ({sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"LoRA rank {args.rank}: {sum(p.numel() for p in trainable) / 1e6:.3f}M trained), tokens "

@@ -34,7 +34,7 @@ from training.progress import Progress
 from training.run_log import MetricsLogger, format_metrics, open_run_log, summary_line
 from tread_utils.distributed import set_cpu_threads, start_processes
 from tread_utils.errors import UserError
-from tread_utils.precision import set_precision_policy
+from tread_utils.precision import avoid_faulting_attention, set_precision_policy
 
 
 FUSED_DEVICE_TYPES = ("cuda", "cpu")  # devices with a fused AdamW kernel (the CPU's since torch 2.4, our oldest)
@@ -203,6 +203,9 @@ def start(cfg: DictConfig) -> Accelerator:
     accelerator = start_processes(cfg.train.dist_timeout_minutes, mixed_precision=cfg.train.mixed_precision,
                                   cpu=not torch.cuda.is_available())
     set_precision_policy(cfg.train.tf32)
+    attention = avoid_faulting_attention(cfg.train.keep_cudnn_attention, "train.keep_cudnn_attention=true")
+    if attention and accelerator.is_main_process:
+        print(attention, flush=True)
     set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # on GPU runs too
     return accelerator
 

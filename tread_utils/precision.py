@@ -6,6 +6,9 @@ SD-VAE decoder) use TF32 tensor cores on Ampere and newer GPUs. Under bf16/fp16 
 the block right after each route, which runs in float32 (`fp32_after_route`, also the authors'): with
 TF32 it runs on tensor cores at about half the bf16 rate, without it at a small fraction of that.
 On a CPU the flags change nothing.
+
+The attention backend: where cuDNN's fused attention is known to fault in backward (below), the training entry
+points turn it off and say so in one line, with a switch that keeps it.
 """
 import torch
 
@@ -19,3 +22,37 @@ def precision_policy() -> dict:
     """The flags in force, for logs and benchmark records."""
     return {"tf32_matmul": torch.get_float32_matmul_precision() != "highest",
             "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32)}
+
+
+# cuDNN's fused attention (the first SDPA backend torch tries on Hopper and newer) has faulted in backward on
+# long sequences: an illegal memory access after `mha_graph.execute(...).is_good()` fails (pytorch#122695,
+# #169849: fixed for one case in cuDNN 9.15.1), NaN query gradients with an attention mask at lengths
+# 64 mod 128 on H100/H200 from torch 2.11 (pytorch#196678; no fixed release yet). Seen here: a FLUX LoRA step
+# on an H100 with torch 2.11 + cuDNN's attention failed at its first backward; without it the step runs.
+CUDNN_ATTENTION_FIXED = 91501  # cuDNN 9.15.1
+TORCH_NAN_GRAD_FROM = (2, 11)
+
+
+def cudnn_attention_faults(torch_version: str, cudnn_version, capability) -> bool:
+    """Whether this torch / cuDNN / GPU (compute capability (major, minor)) is one where cuDNN's attention
+    backward is known to fault: a Hopper or newer GPU (where torch picks cuDNN's attention first), with cuDNN
+    before 9.15.1 or torch 2.11 or later."""
+    if capability is None or tuple(capability) < (9, 0):
+        return False
+    release = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    return (cudnn_version or 0) < CUDNN_ATTENTION_FIXED or release >= TORCH_NAN_GRAD_FROM
+
+
+def avoid_faulting_attention(keep_cudnn: bool, switch: str):
+    """Turn cuDNN's attention off for scaled_dot_product_attention where `cudnn_attention_faults` (torch then
+    uses flash or memory-efficient attention, the same computation); returns the one line to print, or None
+    where nothing changed. `switch` names the setting that keeps cuDNN's attention."""
+    if keep_cudnn or not torch.cuda.is_available() or not torch.backends.cuda.cudnn_sdp_enabled():
+        return None
+    capability = torch.cuda.get_device_capability()
+    if not cudnn_attention_faults(torch.__version__, torch.backends.cudnn.version(), capability):
+        return None
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return (f"attention: cuDNN's fused attention is off (torch {torch.__version__}, cuDNN "
+            f"{torch.backends.cudnn.version()}, sm{capability[0]}{capability[1]}: its backward is known to fault "
+            f"there); flash / memory-efficient attention instead. {switch} keeps it")
