@@ -24,7 +24,9 @@ reset), so its peak memory is its own and no compiled variant can fall back to e
 that runs out of memory is recorded as such (`"oom": true` with its batch and micro-batch) and the next one
 runs. `--micro-batch` accumulates gradients (DiT-L/2 and DiT-XL/2 do by default above 128), `--grad-checkpointing`
 recomputes each block's forward (MFU counts model FLOPs; HFU adds the recomputation), `--fp32-after-route
-both` times TREAD with and without the authors' float32 block after the route, `--compile-mode` picks
+both` times TREAD with and without the authors' float32 block after the route, `--compile-scope` what
+our compiled variants compile (train.compile_scope: the whole model, each block alone, or both, each a variant
+of its own; `warmup_s` in the record, the first `--warmup` steps, holds the compilation), `--compile-mode` picks
 torch.compile's mode, `--profile` records where one more step of each of our variants spends its time
 (kernel categories, top kernels, host syncs; lab/bench_timing.py).
 """
@@ -49,6 +51,7 @@ from lab.bench_timing import matmul_ceiling, time_or_out_of_memory
 from lab.bench_tables import (loader_table, metrics_table, sampling_table, suite_table, training_fid_table,
                                 training_table)
 from lab.paper_code import build_paper_model, eager_context, load_our_weights, load_paper_dit
+from training.compile import SCOPES, compile_backbone
 from training.flops import training_step_flops
 from training.loop import build_adamw
 from tread_utils.errors import UserError, report_user_errors
@@ -99,20 +102,21 @@ def training_step(model, batch, device, dtype, context=contextlib.nullcontext, m
     return step
 
 
-def compile_model(model, args, **kwargs):
-    """torch.compile with the bench's --compile-backend and --compile-mode (the trainer's defaults unless given)."""
+def compile_model(model, args, scope="model", **kwargs):
+    """The trainer's compilation (training.compile, `scope` as train.compile_scope) with the bench's
+    --compile-backend and --compile-mode (the trainer's defaults unless given)."""
     options = dict(backend=args.compile_backend, **kwargs)
     if args.compile_mode != "default":
         options["mode"] = args.compile_mode
-    return torch.compile(model, **options)
+    return compile_backbone(model, scope, **options)
 
 
-def our_model(args, backbone, routed, device, mode, fp32_after_route=True):
+def our_model(args, backbone, routed, device, mode, fp32_after_route=True, scope=None):
     torch.manual_seed(0)
     params = model_params(backbone, routed, fp32_after_route=fp32_after_route,
                           grad_checkpointing=args.grad_checkpointing)
     model = get_model(backbone, params).to(device).train()
-    return compile_model(model, args) if mode == "compiled" else model
+    return compile_model(model, args, scope) if mode == "compiled" else model
 
 
 def paper_twin(paper_dit, backbone, ours, routed):
@@ -138,25 +142,31 @@ def paper_output_difference(paper_dit, backbone):
 
 
 FP32_AFTER_ROUTE = {"on": [True], "off": [False], "both": [True, False]}
+# `both`: blocks first, so its warm-up compiles from cold, not from kernels the whole model's compilation cached
+COMPILE_SCOPES = {**{s: [s] for s in SCOPES}, "both": ["blocks", "model"]}
 
 
 def training_variants(args):
-    """(code, mode, model, fp32_after_route) to time: ours eager and/or compiled, the paper's as published
-    and/or eager; `dit`, then `tread` with the float32 block after its route on and/or off (the paper's
-    code has it on, its authors' numerics; None where no route ends)."""
+    """(code, mode, compile scope, model, fp32_after_route) to time: ours eager and/or compiled (per scope of
+    --compile-scope), the paper's as published (each block compiled: scope `blocks`) and/or eager; `dit`, then
+    `tread` with the float32 block after its route on and/or off (the paper's code has it on, its authors'
+    numerics; None where no route ends). The scope is None where nothing is compiled."""
     ours = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}[args.compile]
-    modes = [("ours", m) for m in ours] + [("paper", m) for m in (args.paper_modes if args.paper_code else [])]
-    return [(code, mode, model, fp32) for code, mode in modes
+    modes = [("ours", m, s) for m in ours for s in (COMPILE_SCOPES[args.compile_scope] if m == "compiled" else [None])]
+    modes += [("paper", m, "blocks" if m == "published" else None)
+              for m in (args.paper_modes if args.paper_code else [])]
+    return [(code, mode, scope, model, fp32) for code, mode, scope in modes
             for model, fp32 in [("dit", None)] + [("tread", f) for f in FP32_AFTER_ROUTE[args.fp32_after_route]]
             if code == "ours" or fp32 in (None, True)]
 
 
-def variant_builder(args, paper_dit, backbone, code, mode, model_name, fp32, batch, micro_batch, device, dtype):
+def variant_builder(args, paper_dit, backbone, code, mode, scope, model_name, fp32, batch, micro_batch, device,
+                    dtype):
     routed = model_name == "tread"
 
     def build():
         if code == "ours":
-            model = our_model(args, backbone, routed, device, mode, fp32_after_route=fp32 is not False)
+            model = our_model(args, backbone, routed, device, mode, fp32_after_route=fp32 is not False, scope=scope)
             context = contextlib.nullcontext
         else:
             ours = our_model(args, backbone, routed, "cpu", "eager")  # same initial weights
@@ -190,15 +200,16 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None, save=lambda row
             micro_batch = micro_batch_for(args, backbone, batch)
             flops = step_flops(args, backbone, batch)
             first = len(rows)
-            for code, mode, model_name, fp32 in training_variants(args):
+            for code, mode, scope, model_name, fp32 in training_variants(args):
                 routed = model_name == "tread"
-                build = variant_builder(args, paper_dit, backbone, code, mode, model_name, fp32, batch, micro_batch,
-                                        device, dtype)
+                build = variant_builder(args, paper_dit, backbone, code, mode, scope, model_name, fp32, batch,
+                                        micro_batch, device, dtype)
                 measured = time_or_out_of_memory(build, args.steps, args.warmup, device,
                                                  profile=args.profile and code == "ours")
                 row = dict(backbone=backbone, batch=batch, micro_batch=micro_batch, code=code, mode=mode,
-                           model=model_name, fp32_after_route=fp32, **measured)
-                name = (f"{backbone} batch {batch} (micro-batch {micro_batch}) {code} {mode} {model_name}"
+                           compile_scope=scope, model=model_name, fp32_after_route=fp32, **measured)
+                name = (f"{backbone} batch {batch} (micro-batch {micro_batch}) {code} {mode}"
+                        f"{f' ({scope})' if code == 'ours' and scope else ''} {model_name}"
                         f"{'' if fp32 is not False else ' bf16-after-route'}")
                 if code == "paper":
                     row["max_abs_output_difference"] = paper_diff
@@ -238,13 +249,18 @@ def profile_summary(name, p) -> str:
 
 
 def add_speedups(rows, bound):
-    """TREAD's measured speed-up (the `dit` step of the same code and mode over its own) next to the FLOP bound."""
-    dense = {(r["code"], r["mode"]): r["step_s"] for r in rows if r["model"] == "dit" and not r.get("oom")}
+    """TREAD's measured speed-up (the `dit` step of the same code, mode and compile scope over its own) next to the
+    FLOP bound."""
+    def variant(r):
+        return r["code"], r["mode"], r.get("compile_scope")
+
+    dense = {variant(r): r["step_s"] for r in rows if r["model"] == "dit" and not r.get("oom")}
     for row in rows:
-        if row["model"] == "tread" and not row.get("oom") and (row["code"], row["mode"]) in dense:
-            speedup = dense[row["code"], row["mode"]] / row["step_s"]
+        if row["model"] == "tread" and not row.get("oom") and variant(row) in dense:
+            speedup = dense[variant(row)] / row["step_s"]
             row.update(flop_bound=bound, speedup=speedup, speedup_vs_bound=speedup / bound)
-            print(f"{row['backbone']} batch {row['batch']} {row['code']} {row['mode']}"
+            scope = f" ({row['compile_scope']})" if row["code"] == "ours" and row.get("compile_scope") else ""
+            print(f"{row['backbone']} batch {row['batch']} {row['code']} {row['mode']}{scope}"
                   f"{'' if row['fp32_after_route'] is not False else ' bf16-after-route'}: speed-up {speedup:.3f}x, "
                   f"FLOP bound {bound:.3f}x, ratio {speedup / bound:.3f}", flush=True)
 
@@ -305,6 +321,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--tf32", choices=["on", "off"], default="on", help="train.tf32 / sample.py tf32 (default on)")
     parser.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                         help="torch.compile our backbone (`--compile` = on; `both` times eager and compiled)")
+    parser.add_argument("--compile-scope", choices=sorted(COMPILE_SCOPES), default="model",
+                        help="training: what our compiled variants compile (train.compile_scope): the whole model "
+                             "(default), each block alone, or both, timed as two variants (blocks first)")
     parser.add_argument("--compile-mode", default="default",
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="torch.compile mode of our backbone (training and --fid-compile; default: torch's)")

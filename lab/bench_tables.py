@@ -12,28 +12,35 @@ def _model(r):
     return r["model"] + (", bf16 after route" if r.get("fp32_after_route") is False else "")
 
 
+def _mode(r):
+    """'compiled (blocks)' for our variants compiled block by block (train.compile_scope), else the mode."""
+    scope = r.get("compile_scope")
+    return r["mode"] + (f" ({scope})" if r["code"] == "ours" and scope else "")
+
+
 def _training_cells(r):
     batch = f"{r['batch']}" + (f" ({r['batch'] // r['micro_batch']} x {r['micro_batch']})"
                                if r.get("micro_batch", r["batch"]) != r["batch"] else "")
-    head = [r["backbone"], batch, r["code"], r["mode"], _model(r)]
+    head = [r["backbone"], batch, r["code"], _mode(r), _model(r)]
     if r.get("oom"):
-        return head + ["out of memory", "", f"{r['peak_mem_mb']:.0f}", "", "", "", "", ""]
+        return head + ["out of memory", "", "", f"{r['peak_mem_mb']:.0f}", "", "", "", "", ""]
     extra = ([f"{r['speedup']:.3f}x", f"{r['flop_bound']:.3f}x", f"{r['speedup_vs_bound']:.3f}"] if "speedup" in r
              else ["", "", ""])
     mfu = f"{r['mfu']:.1%}" + (f" (HFU {r['hfu']:.1%})" if "hfu" in r else "")
-    return head + [f"{r['step_s'] * 1e3:.1f}", f"{r['images_per_s']:.1f}", f"{r['peak_mem_mb']:.0f}",
-                   f"{r['flops_per_step'] / 1e9:.1f}", mfu, *extra]
+    return head + [f"{r['step_s'] * 1e3:.1f}", f"{r['warmup_s']:.1f}", f"{r['images_per_s']:.1f}",
+                   f"{r['peak_mem_mb']:.0f}", f"{r['flops_per_step'] / 1e9:.1f}", mfu, *extra]
 
 
 def training_table(rows, device_name, dtype_name, ceiling, grad_checkpointing=False):
     memory = ("peak memory per variant" if "CPU" not in device_name else
               "peak memory is the process's peak RSS so far, not per variant; MFU on a CPU is indicative only "
               "(the ceiling of a shared CPU varies from run to run; above 100% means it was under-measured)")
-    notes = [f"Device: {device_name}, {dtype_name}, matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (measured); {memory}."]
+    notes = [f"Device: {device_name}, {dtype_name}, matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (measured); {memory}; "
+             f"warm-up: the untimed first steps, compilation included."]
     if grad_checkpointing:
         notes.append("Activation checkpointing: MFU counts the model's FLOPs only; HFU adds the recomputed forward.")
-    header = ("backbone", "batch", "code", "mode", "model", "step (ms)", "images/s", "peak mem (MB)", "GFLOP/step",
-              "MFU", "speed-up", "FLOP bound", "speed-up / bound")
+    header = ("backbone", "batch", "code", "mode", "model", "step (ms)", "warm-up (s)", "images/s", "peak mem (MB)",
+              "GFLOP/step", "MFU", "speed-up", "FLOP bound", "speed-up / bound")
     return "\n".join(notes) + "\n\n" + simple_table(header, rows, _training_cells) + paper_comparison_table(rows)
 
 
@@ -49,7 +56,7 @@ def paper_comparison_table(rows):
         if "paper" not in by_code or "ours" not in by_code:
             continue
         ours, paper = (min(by_code[c], key=lambda r: r["step_s"]) for c in ("ours", "paper"))
-        lines.append(f"| {backbone} | {batch} | {model} | {ours['step_s'] * 1e3:.1f} ({ours['mode']}) | "
+        lines.append(f"| {backbone} | {batch} | {model} | {ours['step_s'] * 1e3:.1f} ({_mode(ours)}) | "
                      f"{paper['step_s'] * 1e3:.1f} ({paper['mode']}) | {paper['step_s'] / ours['step_s']:.2f}x | "
                      f"{paper['max_abs_output_difference']:.1e} |")
     if not lines:

@@ -6,10 +6,14 @@
 #   bash scripts/gpu_check.sh --dry-run all|ROW... [--budget SECONDS] [OUT_DIR]   the same on the CPU at toy size
 #       (CI runs it; the paper code only where PAPER_CODE names it)
 # Rows, with the targets they measure and the seconds they are estimated to take on one H100/H200, compilation
-# included (the H200 run in docs/perf/h200_check, rounded up); the estimate decides whether a row starts, and a
-# row may run to twice it:
-#   xl2    280  DiT-XL/2, batch 256 as 2 x 128, bf16, compiled: `dit` (MFU), `tread` 2 -> 24 at 0.5 (speed-up
-#               against the FLOP bound), then the paper code's two (ours / theirs); one profiled step of each of ours
+# included (the H200 run in docs/perf/h200_check, rounded up; xl2's is an H100's); the estimate decides whether a
+# row starts, and a row may run to twice it:
+#   xl2    420  DiT-XL/2, batch 256 as 2 x 128, bf16, compiled: ours block by block, then as a whole model
+#               (train.compile_scope blocks / model; step time and warm-up, compilation included, of each), each
+#               `dit` (MFU) and `tread` 2 -> 24 at 0.5 (speed-up against the FLOP bound), then the paper code's two
+#               (ours / theirs); one profiled step of each of ours. The estimate: about 330 s on an H100 with the
+#               whole-model variants alone, most of it compiling, plus two block-scope variants, which compile
+#               like the paper code's blocks (15-17 s on the H200), and their timed and profiled steps
 #   b2     150  DiT-B/2, batch 256, bf16: ours compiled against the paper code as published, profiled likewise
 #   fid    130  in-training FID-5K of DiT-B/2: 40 Heun steps, SD-VAE decode, Inception, FID, each stage timed
 #   cuda   100  pytest -n 0 -m cuda
@@ -26,7 +30,7 @@
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
 ROWS_ALL=(xl2 b2 fid cuda suite train xl2bf16)
-declare -A ESTIMATE=([xl2]=280 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60 [xl2bf16]=200)
+declare -A ESTIMATE=([xl2]=420 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60 [xl2bf16]=200)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2
@@ -103,12 +107,13 @@ bench() {  # bench ROW BENCH_ARGS...: lab.bench writing OUT_DIR/ROW.json after e
   run_row "$row" $PY -m lab.bench --dtype bf16 "$@" --out "$OUT_DIR/$row.json"
 }
 
-training_row() {  # bench ROW BACKBONE MICRO_BATCH: dit, tread and the paper code's, compiled, one step profiled
+training_row() {  # training_row ROW BACKBONE MICRO_BATCH [BENCH_ARGS...]: dit, tread and the paper code's,
+  # compiled, one step of each of ours profiled
   bench "$1" --backbones "$2" --batch-sizes $BATCH --micro-batch "$3" "${STEPS[@]}" "${COMPILE[@]}" \
-    "${PAPER[@]}" --profile --sections training
+    "${PAPER[@]}" --profile --sections training "${@:4}"
 }
 
-xl2() { training_row xl2 $XL2 $MICRO; }
+xl2() { training_row xl2 $XL2 $MICRO --compile-scope both; }
 b2() { training_row b2 $B2 $BATCH; }
 xl2bf16() {
   bench xl2bf16 --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \

@@ -48,6 +48,7 @@ BAD = {
     "unknown_init": (["model.params.init=xavier"], "model.params.init"),
     "negative_cfg_scale": (["train.eval.cfg_scales=[-1]"], "cfg_scales"),
     "flag_given_a_number": (["train.eval.smoke=2"], "train.eval.smoke=2 must be true or false"),
+    "unknown_compile_scope": (["train.compile_scope=layers"], "train.compile_scope=layers is not allowed"),
 }
 
 

@@ -28,6 +28,7 @@ from dit import get_model
 from training import checkpoint as ckpt
 from training.checkpoint_retention import prune_checkpoints
 from training.checkpoint import build_denoiser, build_objective
+from training.compile import CompileStats, compile_backbone
 from training.in_training_eval import TrainingEvaluator
 from training.repa import build_repa, fit_optimizer_state, load_projector
 from training.progress import Progress
@@ -142,7 +143,7 @@ class Run:
     logger: Optional[MetricsLogger] = None
     evaluator: Optional[TrainingEvaluator] = None
     started: float = dataclasses.field(default_factory=time.time)
-    compiled_at_first_step: Optional[int] = None  # dynamo's compiled frames after this launch's first step
+    compiled: Optional[CompileStats] = None  # with train.compile: the graphs and recompiles logged
 
     @property
     def accum(self) -> int:
@@ -226,9 +227,10 @@ def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> Run:
         trained += list(projector.parameters())  # after the model's: fit_optimizer_state relies on the order
     o = cfg.train.optimizer
     optimizer = build_adamw(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    if cfg.train.compile:
-        denoiser.model = torch.compile(model, dynamic=cfg.train.get("compile_dynamic"))
-    return Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, projector)
+    compiled = CompileStats.start() if cfg.train.compile else None
+    if compiled is not None:
+        denoiser.model = compile_backbone(model, cfg.train.compile_scope, dynamic=cfg.train.get("compile_dynamic"))
+    return Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, projector, compiled=compiled)
 
 
 def load_data(cfg: DictConfig, accelerator: Accelerator, start_micro_step: int, accum: int, dataset=None):
@@ -351,27 +353,10 @@ def log_interval(run: Run, step: int, stop: StopSignal, bar: Progress) -> tuple:
                               "images_per_sec": steps_per_sec * t.general.batch_size,
                               "epoch": step * run.accum / run.sampler.steps_per_epoch,
                               "lr": learning_rate(t.optimizer, step - 1), "world_size": world,
-                              **compile_stats(run)})
+                              **(run.compiled.metrics() if run.compiled is not None else {})})
         bar.interval(step, mean_loss, steps_per_sec)
     tally.restart()
     return True, stop_now
-
-
-def compile_stats(run: Run) -> dict:
-    """With train.compile: dynamo's graphs so far, and the frames it compiled after this launch's first step
-    (a recompile: a shape or guard that changed mid-run, each one a stall of seconds)."""
-    if run.compiled_at_first_step is None:
-        return {}
-    counters = dynamo_counters()
-    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
-            "recompiles_after_first_step": int(counters["frames"]["total"]) - run.compiled_at_first_step}
-
-
-def dynamo_counters():
-    """torch.compile's counters, imported only by a compiled run: dynamo takes two seconds to import."""
-    from torch._dynamo.utils import counters
-
-    return counters
 
 
 def evaluate(run: Run, step: int):
@@ -404,8 +389,8 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None, da
                 bar.write(f"step {step}: routing off from here on (train.routing_off_after={step}), every token "
                           f"through every block")
             update_weights(run, step, model_params, ema_params)
-            if cfg.train.compile and run.compiled_at_first_step is None:
-                run.compiled_at_first_step = int(dynamo_counters()["frames"]["total"])
+            if run.compiled is not None:
+                run.compiled.step_done()
             step += 1
             bar.update(1)
 

@@ -1,0 +1,69 @@
+"""How `train.compile` compiles the backbone (`train.compile_scope`), and what dynamo has done since, as each log
+record reports it (`CompileStats`).
+
+Scopes:
+
+* `model`: `torch.compile(model)`, one graph of the whole forward, the block loop and the routing's gather and
+  scatter traced into it;
+* `blocks`: every block compiled on its own, in place (`block.compile()`, as the authors' `@torch.compile` on
+  each block's forward): the block loop, the routing, the embedders and the final layer run eagerly. Dynamo
+  inlines a block's module, so its parameters are graph inputs and every block of a type shares one graph per
+  input shape: a routed model compiles three (the full sequence, the routed one, the float32 block after the
+  route under mixed precision), whatever its depth, where `model` traces every block into one large graph.
+
+Both take `train.compile_dynamic` as torch.compile's `dynamic`. A block's graphs count against dynamo's
+recompile limit (8 per function, shared by all blocks of a type): a route whose kept count changes with a ratio
+schedule adds one per count while shapes are static.
+"""
+import dataclasses
+from typing import Optional
+
+import torch
+
+SCOPES = ("model", "blocks")
+
+
+def compile_backbone(model: torch.nn.Module, scope: str = "model", **options) -> torch.nn.Module:
+    """What the denoiser calls: the compiled model (`model`), or `model` itself with each of its blocks compiled
+    in place (`blocks`; the state dict keeps its keys). `options`: torch.compile's (dynamic, backend, mode)."""
+    if scope == "model":
+        return torch.compile(model, **options)
+    if scope != "blocks":
+        raise ValueError(f"compile scope {scope!r}: one of {', '.join(SCOPES)}")
+    for block in model.blocks:
+        block.compile(**options)
+    return model
+
+
+def dynamo_counters():
+    """torch.compile's counters, imported only by a compiled run: dynamo takes two seconds to import."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+@dataclasses.dataclass
+class CompileStats:
+    """A compiled run's graphs and recompiles, counted from when it compiled its backbone (a later run of a sweep in
+    the same process counts the graphs it added): `compiled_graphs`, dynamo's distinct graphs, and
+    `recompiles_after_first_step`, the frames it compiled after this launch's first step (a shape or guard that
+    changed mid-run, each a stall of seconds). A frame is one compilation of a function, the whole model's or a
+    block's, in either scope."""
+    graphs_before: int
+    frames_at_first_step: Optional[int] = None
+
+    @classmethod
+    def start(cls) -> "CompileStats":
+        return cls(int(dynamo_counters()["stats"]["unique_graphs"]))
+
+    def step_done(self):
+        """Called after every step; the first one's count is the reference of later recompiles."""
+        if self.frames_at_first_step is None:
+            self.frames_at_first_step = int(dynamo_counters()["frames"]["total"])
+
+    def metrics(self) -> dict:
+        if self.frames_at_first_step is None:
+            return {}
+        counters = dynamo_counters()
+        return {"compiled_graphs": int(counters["stats"]["unique_graphs"]) - self.graphs_before,
+                "recompiles_after_first_step": int(counters["frames"]["total"]) - self.frames_at_first_step}
