@@ -56,7 +56,7 @@ from training.flops import training_step_flops
 from training.loop import build_adamw
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.cli import ArgumentParser, positive_int
-from tread_utils.precision import precision_policy, set_precision_policy
+from tread_utils.precision import avoid_faulting_attention, precision_policy, set_precision_policy
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -394,12 +394,15 @@ def main():
                           "cpu" if args.device == "auto" else args.device)
     dtype = DTYPES[args.dtype]
     set_precision_policy(args.tf32 == "on")  # the trainer's policy (train.tf32), so timings describe it
+    attention = avoid_faulting_attention(False, "train.keep_cudnn_attention=true")  # the trainer's default too
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU ({torch.get_num_threads()} threads)"
     ceiling = matmul_ceiling(device, dtype)
     print(f"{device_name}: matmul ceiling {ceiling / 1e12:.3f} TFLOP/s ({args.dtype})", flush=True)
+    if attention:
+        print(attention, flush=True)
     result = dict(device=device_name, dtype=args.dtype, matmul_ceiling=ceiling, torch=torch.__version__,
-                  precision=precision_policy(), compile_mode=args.compile_mode, compile_backend=args.compile_backend,
+                  precision=precision_policy(), attention=attention, compile_mode=args.compile_mode, compile_backend=args.compile_backend,
                   grad_checkpointing=args.grad_checkpointing)
     sections = {
         "training": (lambda save: bench_training(args, device, dtype, ceiling, paper_dit, save),

@@ -8,12 +8,14 @@
 # Rows, with the targets they measure and the seconds they are estimated to take on one H100/H200, compilation
 # included (the H200 run in docs/perf/h200_check, rounded up; xl2's is an H100's); the estimate decides whether a
 # row starts, and a row may run to twice it:
-#   xl2    420  DiT-XL/2, batch 256 as 2 x 128, bf16, compiled: ours block by block, then as a whole model
-#               (train.compile_scope blocks / model; step time and warm-up, compilation included, of each), each
-#               `dit` (MFU) and `tread` 2 -> 24 at 0.5 (speed-up against the FLOP bound), then the paper code's two
-#               (ours / theirs); one profiled step of each of ours. The estimate: about 330 s on an H100 with the
-#               whole-model variants alone, most of it compiling, plus two block-scope variants, which compile
-#               like the paper code's blocks (15-17 s on the H200), and their timed and profiled steps
+#   flux   200  the FLUX.1-dev LoRA fine-tune step (11.9 B parameters, bf16, 4,096 image + 512 text tokens, LoRA
+#               r16, gradient checkpointing, default attention settings): routed / unrouted against the FLOP bound
+#               eager at batch 1 and 2, then each block compiled at batch 1 (lab.bench_diffusers --flux-lora full)
+#   xl2    240  DiT-XL/2, batch 256 as 2 x 128, bf16, each block compiled (train.compile_scope=blocks, as the paper
+#               code compiles): `dit` (MFU) and `tread` 2 -> 24 at 0.5 (speed-up against the FLOP bound), then the
+#               paper code's two (ours / theirs, peak memory); one profiled step of each of ours; warm-up times
+#   xl2model 200 as xl2, ours alone, compiled as a whole model (train.compile_scope=model): the step time and
+#               warm-up that block compilation is compared with (about 330 s on an H100 with the paper code)
 #   b2     150  DiT-B/2, batch 256, bf16: ours compiled against the paper code as published, profiled likewise
 #   fid    130  in-training FID-5K of DiT-B/2: 40 Heun steps, SD-VAE decode, Inception, FID, each stage timed
 #   cuda   100  pytest -n 0 -m cuda
@@ -29,8 +31,8 @@
 # code put github.com/CompVis/tread's dit.py and routing_module.py in .paper-code/ (git-ignored, carried;
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
-ROWS_ALL=(xl2 b2 fid cuda suite train xl2bf16)
-declare -A ESTIMATE=([xl2]=420 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60 [xl2bf16]=200)
+ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16)
+declare -A ESTIMATE=([flux]=200 [xl2]=240 [xl2model]=200 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60 [xl2bf16]=200)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2
@@ -68,6 +70,7 @@ if [ $DRY = 1 ]; then
   FID=(--fid-samples 3 --fid-steps 2 --fid-batch 2 --vae "${BENCH_VAE:-random}" --device cpu)
   SUITE=(--suite-samples 8 --suite-ref 4 --suite-batch 4 --device cpu)
   PYTEST_CUDA=(--collect-only)
+  FLUX=(--flux-lora proxy --compile off --rounds 1 --steps 1)
   TRAIN=("+model.params.depth=4" "+model.params.hidden_size=32" "+model.params.num_heads=2"
          model.params.routes.0.start_layer_idx=1 model.params.routes.0.end_layer_idx=2
          train.general.batch_size=16 train.general.num_workers=0 train.eval.fid_num_samples=128
@@ -78,6 +81,7 @@ else
   FID=(--fid-samples 5000 --fid-steps 40 --fid-batch 256)
   SUITE=(--suite-samples 50000 --suite-ref 10000 --suite-batch 250)
   PYTEST_CUDA=()
+  FLUX=(--flux-lora full --batch-sizes 1 2 --compile both --rounds 3 --steps 2)
   TRAIN=(train.max_steps=200 train.compile=true)
 fi
 PAPER=()
@@ -113,7 +117,12 @@ training_row() {  # training_row ROW BACKBONE MICRO_BATCH [BENCH_ARGS...]: dit, 
     "${PAPER[@]}" --profile --sections training "${@:4}"
 }
 
-xl2() { training_row xl2 $XL2 $MICRO --compile-scope both; }
+xl2() { training_row xl2 $XL2 $MICRO --compile-scope blocks; }
+xl2model() {
+  bench xl2model --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
+    --compile-scope model --sections training
+}
+flux() { run_row flux $PY -m lab.bench_diffusers "${FLUX[@]}" --out "$OUT_DIR/flux.json"; }
 b2() { training_row b2 $B2 $BATCH; }
 xl2bf16() {
   bench xl2bf16 --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
