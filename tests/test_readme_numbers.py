@@ -510,3 +510,41 @@ def test_close_reads_rounding_as_printed():
     assert close("51.6%", 0.51581) and not close("51.6%", 0.5172)
     assert close("1.156x", 1.15558) and close("3,000", 3000) and close("400K", 400000) and not close("400K", 800)
     assert close("1e-4", 1e-4) and not close("1e-4", 2e-3)
+
+
+H100 = PERF / "h100_flux_check"
+
+
+def test_h100_targets_table_is_the_check_output():
+    rows = {row["#"]: row["measured"] for row in table(README, "| # | measure on one H100 |")}
+    assert list(rows) == [str(i) for i in range(8, 15)]
+    flux = json.loads((H100 / "flux.json").read_text())
+    assert "H100" in flux["device"] and "cuDNN 91900" in flux["machine"] and flux["attention"].startswith("attention:")
+    by_run = {(r["batch"], r["compiled"]): r for r in flux["rows"]}
+    assert all(r["arch"] == "flux-dev" and r["tokens"] == 4096 and r["text_tokens"] == 512 for r in flux["rows"])
+    for number, run in (("8", (1, False)), ("9", (1, True)), ("10", (2, False))):
+        assert_close(rows[number].removesuffix(": missed"), by_run[run]["speedup_vs_bound"], f"FLUX row {number}")
+    blocks = {r["model"]: r for r in json.loads((H100 / "xl2.json").read_text())["training"] if r["code"] == "ours"}
+    paper = {r["model"]: r for r in json.loads((H100 / "xl2.json").read_text())["training"] if r["code"] == "paper"}
+    model = {r["model"]: r for r in json.loads((H100 / "xl2model.json").read_text())["training"]}
+    assert {r["compile_scope"] for r in blocks.values()} == {"blocks"} and model["tread"]["compile_scope"] == "model"
+    assert_close(rows["12"], model["tread"]["speedup_vs_bound"], "XL/2 tread, whole-model compile")
+    assert model["tread"]["fp32_after_route"] is not False
+    printed = NUMBER.findall(rows["13"])
+    assert_close(printed[0], blocks["dit"]["warmup_s"], "blocks dit warm-up")
+    assert_close(printed[1], blocks["tread"]["warmup_s"], "blocks tread warm-up")
+    ratios = [run["dit"]["peak_mem_mb"] / paper["dit"]["peak_mem_mb"] for run in (blocks, model)]
+    assert all(close(t, v) for t, v in zip(NUMBER.findall(rows["14"]), ratios)), (rows["14"], ratios)
+    for command in (1, 2):
+        assert "NVIDIA H100" in (H100 / f"command{command}_summary.txt").read_text()
+
+
+def test_flux_host_cost_proxy_sentence_is_its_record():
+    row, = json.loads((PERF / "diffusers_flux_host_cpu.json").read_text())["rows"]
+    unrouted, routed, ratio = re.search(r"unrouted (\d+) ms and routed (\d+) ms per step, so routing costs the host "
+                                        r"([\d.]+) times", PERFORMANCE).groups()
+    assert (row["blocks"], row["tokens"], row["compiled"]) == (57, 16, False)
+    assert_close(unrouted, row["unrouted_step_s"] * 1000, "proxy unrouted step")
+    assert_close(routed, row["routed_step_s"] * 1000, "proxy routed step")
+    assert_close(ratio, row["routed_step_s"] / row["unrouted_step_s"], "proxy routed / unrouted")
+    assert float(ratio) <= 1.1
