@@ -319,6 +319,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tf32", choices=["on", "off"], default="on", help="train.tf32 / sample.py tf32 (default on)")
+    parser.add_argument("--keep-cudnn-attention", action="store_true",
+                        help="train.keep_cudnn_attention=true: keep cuDNN's fused attention where the trainer turns "
+                             "it off (tread_utils.precision.cudnn_attention_faults)")
     parser.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                         help="torch.compile our backbone (`--compile` = on; `both` times eager and compiled)")
     parser.add_argument("--compile-scope", choices=sorted(COMPILE_SCOPES), default="model",
@@ -394,7 +397,7 @@ def main():
                           "cpu" if args.device == "auto" else args.device)
     dtype = DTYPES[args.dtype]
     set_precision_policy(args.tf32 == "on")  # the trainer's policy (train.tf32), so timings describe it
-    attention = avoid_faulting_attention(False, "train.keep_cudnn_attention=true")  # the trainer's default too
+    attention = avoid_faulting_attention(args.keep_cudnn_attention, "--keep-cudnn-attention")  # as the trainer
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU ({torch.get_num_threads()} threads)"
     ceiling = matmul_ceiling(device, dtype)
