@@ -89,3 +89,18 @@ def test_the_matrix_square_roots_run_with_no_features_held(tmp_path, monkeypatch
     assert np.isfinite(result["fid"]) and np.isfinite(result["sfid"]) and len(held) == 2
     pool_bytes = n * SMALL["pool"] * 4  # 4 MB; the logits would be 32 MB
     assert max(held) < pool_bytes / 2, held  # the statistics (128^2 and 16^2 float64) and little else: 0.5 MB
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_features_kept_on_the_gpu_give_the_numbers_of_host_features(tmp_path):
+    ref, sample = _batches(tmp_path)
+    extractor = ProjectionExtractor().cuda()
+    images = np.load(sample)["arr_0"]
+    assert compute_features(extractor, images, batch_size=7, on_device=True)["pool"].is_cuda
+    on_gpu = evaluate(ref, sample, extractor, batch_size=7, progress=False, split_size=20, device="cuda")
+    host_ref = evaluator.reference_from_npz(ref, extractor, batch_size=7, progress=False)
+    host_feats = compute_features(extractor, images, batch_size=7, stats_keys=("spatial",))
+    assert isinstance(host_feats["pool"], np.ndarray) and isinstance(host_ref["pool"], np.ndarray)
+    on_host = evaluator.metrics_from_features(host_feats, host_ref, split_size=20, device="cuda")
+    assert {k: on_gpu[k] for k in EXPECTED} == {k: on_host[k] for k in EXPECTED}
