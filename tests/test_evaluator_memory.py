@@ -5,6 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from conftest import projection_extractor
 
 from evaluations import evaluator, metrics
 from evaluations.evaluator import evaluate
@@ -16,20 +17,8 @@ EXPECTED = {"inception_score": 3.5473277938105254, "fid": 125.94543562277738, "s
             "precision": 0.88, "recall": 0.7833333333333333}
 
 
-class ProjectionExtractor(torch.nn.Module):
-    """A fixed random projection of 4x4-pooled pixels, with the extractor interface (pool, spatial, logits)."""
-
-    feature_dims = {"pool": 32, "spatial": 12, "logits": 10}
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.proj = torch.nn.Parameter(torch.randn(48, 54, generator=g), requires_grad=False)
-
-    def forward(self, images):
-        x = images.float().permute(0, 3, 1, 2) / 255 - 0.5
-        x = torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1) @ self.proj * 10
-        return {"pool": x[:, :32], "spatial": x[:, 32:44], "logits": x[:, 44:]}
+def _extractor():
+    return projection_extractor({"pool": 32, "spatial": 12, "logits": 10}, offset=0.5, gain=10)
 
 
 def _batches(tmp_path):
@@ -43,7 +32,7 @@ def _batches(tmp_path):
 def test_evaluate_gives_the_numbers_it_gave_before_streaming(tmp_path):
     ref, sample = _batches(tmp_path)
     # splits of 20 (the last one partial) and batches of 7 that straddle them
-    result = evaluate(ref, sample, ProjectionExtractor(), batch_size=7, progress=False, split_size=20)
+    result = evaluate(ref, sample, _extractor(), batch_size=7, progress=False, split_size=20)
     for key, value in EXPECTED.items():
         assert result[key] == pytest.approx(value, rel=1e-12, abs=0), key
     assert (result["precision"], result["recall"]) == (EXPECTED["precision"], EXPECTED["recall"])
@@ -95,7 +84,7 @@ def test_the_matrix_square_roots_run_with_no_features_held(tmp_path, monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_features_kept_on_the_gpu_give_the_numbers_of_host_features(tmp_path):
     ref, sample = _batches(tmp_path)
-    extractor = ProjectionExtractor().cuda()
+    extractor = _extractor().cuda()
     images = np.load(sample)["arr_0"]
     assert compute_features(extractor, images, batch_size=7, on_device=True)["pool"].is_cuda
     on_gpu = evaluate(ref, sample, extractor, batch_size=7, progress=False, split_size=20, device="cuda")
