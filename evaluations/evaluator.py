@@ -21,7 +21,8 @@ Weights: ``--weights PATH`` or env ``TREAD_INCEPTION_WEIGHTS`` or the cache, els
 
 From Python: :func:`evaluate` (two .npz paths and an extractor -> dict),
 :func:`reference_from_npz` (reference statistics + pool features, computed once),
-:func:`metrics_from_features` (sample features + reference -> dict) and
+:func:`metrics_from_features` (sample features + reference -> dict; :func:`score_features` is the same
+taking its inputs over, to free them early) and
 :func:`fid_against_reference` (uint8 images + reference -> FID), e.g. for train-time FID::
 
     from evaluations.inception import load_inception
@@ -127,33 +128,41 @@ def inspect_samples(path, num_samples: int | None = None):
 def metrics_from_features(sample: dict, reference: dict, split_size: int = 5000, device=None) -> dict:
     """ADM's five numbers from sample features and reference statistics.
 
-    ``sample``: {'pool', 'spatial', 'logits'} float arrays [N, D] (a missing key gives nan); instead of
-    an array, ``'<key>_stats'``: (mu, sigma) accumulated by compute_features(stats_keys=...).
+    ``sample``: {'pool', 'spatial', 'logits'} float arrays [N, D] or tensors (a missing key gives nan);
+    instead of an array, ``'<key>_stats'``: (mu, sigma) accumulated by compute_features(stats_keys=...),
+    and instead of the logits, ``'inception_score'`` (compute_features(inception_split=...)).
     ``reference``: {'mu', 'sigma', 'mu_s', 'sigma_s', 'pool'} (any may be missing -> nan + note).
     Returns {'inception_score', 'fid', 'sfid', 'precision', 'recall', 'notes': [str]}.
     """
+    return score_features(dict(sample), dict(reference), split_size, device)
+
+
+def score_features(sample: dict, reference: dict, split_size: int = 5000, device=None) -> dict:
+    """`metrics_from_features` that takes both dicts over: it removes the feature arrays from them once it is
+    done with them, and does precision/recall before the two matrix square roots, so that these (a few
+    hundred MB each at 2048 dims) run with no features held. The numbers are the same in any order."""
     notes = []
     out = {"inception_score": float("nan"), "fid": float("nan"), "sfid": float("nan"),
            "precision": float("nan"), "recall": float("nan")}
-    if "logits" in sample:
-        out["inception_score"] = inception_score(sample["logits"], split_size=split_size)
+    if "inception_score" in sample:  # scored split by split while extracting
+        out["inception_score"] = sample["inception_score"]
+    elif "logits" in sample:
+        out["inception_score"] = inception_score(sample.pop("logits"), split_size=split_size)
     else:
         notes.append("Inception Score: the feature network has no logits")
+    gaussians = {}
     for (mu_key, sigma_key, feature), metric in zip(STAT_PAIRS, ("fid", "sfid")):
         if mu_key not in reference:
             notes.append(f"{metric}: the reference has no '{mu_key}'/'{sigma_key}' and no images")
             continue
         if feature + "_stats" in sample:  # accumulated while extracting (compute_features stats_keys)
-            mu, sigma = sample[feature + "_stats"]
-        elif feature in sample:
-            mu, sigma = feature_statistics(sample[feature])
+            gaussians[metric] = sample[feature + "_stats"], (reference[mu_key], reference[sigma_key])
+        elif feature in sample:  # the pool features stay for precision/recall
+            features = sample[feature] if feature == "pool" else sample.pop(feature)
+            gaussians[metric] = feature_statistics(features), (reference[mu_key], reference[sigma_key])
+            del features
         else:
             notes.append(f"{metric}: the feature network gives no '{feature}' features")
-            continue
-        try:
-            out[metric] = frechet_distance(mu, sigma, reference[mu_key], reference[sigma_key])
-        except ValueError as e:
-            raise UserError(f"{metric}: {e}") from None
     if reference.get("pool") is None:
         notes.append("Precision/Recall: nan because the reference holds statistics only; precision/recall "
                      "need its images (arr_0) or pool_features")
@@ -163,25 +172,40 @@ def metrics_from_features(sample: dict, reference: dict, split_size: int = 5000,
                             f"{sample['pool'].shape[1]}: they come from different networks")
         out["precision"], out["recall"] = precision_recall(reference["pool"], sample["pool"],
                                                            k=K_NEIGHBOURS, device=device)
+    sample.pop("pool", None)
+    reference.pop("pool", None)
+    for metric, ((mu, sigma), (mu_ref, sigma_ref)) in gaussians.items():
+        try:
+            out[metric] = frechet_distance(mu, sigma, mu_ref, sigma_ref)
+        except ValueError as e:
+            raise UserError(f"{metric}: {e}") from None
     out["notes"] = notes
     return out
 
 
-def reference_from_npz(ref_npz, extractor, batch_size: int = 64, progress: bool = True) -> dict:
+def reference_from_images(extractor, images, batch_size: int = 64, progress: bool = False, stats: dict | None = None,
+                          on_device: bool = False) -> dict:
+    """Reference statistics and pool features of uint8 NHWC ``images`` (array, tensor or NpzImages);
+    ``stats`` given (mu, sigma, mu_s, sigma_s) win over the images' own. ``on_device``: see compute_features."""
+    feats = compute_features(extractor, images, batch_size, progress=progress, desc="reference",
+                             keys=("pool", "spatial"), stats_keys=("spatial",), on_device=on_device)
+    ref = dict(stats or {})
+    ref["pool"] = feats["pool"]
+    for mu_key, sigma_key, feature in STAT_PAIRS:
+        if mu_key not in ref and feature + "_stats" in feats:
+            ref[mu_key], ref[sigma_key] = feats[feature + "_stats"]
+        elif mu_key not in ref and feature in feats:
+            ref[mu_key], ref[sigma_key] = feature_statistics(feats[feature])
+    return ref
+
+
+def reference_from_npz(ref_npz, extractor, batch_size: int = 64, progress: bool = True,
+                       on_device: bool = False) -> dict:
     """Reference statistics (precomputed ones win) and pool features of a reference .npz."""
     info = inspect_reference(ref_npz, getattr(extractor, "feature_dims", None))
-    ref = dict(info["stats"])
-    ref["pool"] = info["pool_features"]
     if info["images"] is not None:
-        feats = compute_features(extractor, info["images"], batch_size, progress=progress, desc="reference",
-                                 keys=("pool", "spatial"), stats_keys=("spatial",))
-        ref["pool"] = feats["pool"]
-        for mu_key, sigma_key, feature in STAT_PAIRS:
-            if mu_key not in ref and feature + "_stats" in feats:
-                ref[mu_key], ref[sigma_key] = feats[feature + "_stats"]
-            elif mu_key not in ref and feature in feats:
-                ref[mu_key], ref[sigma_key] = feature_statistics(feats[feature])
-    return ref
+        return reference_from_images(extractor, info["images"], batch_size, progress, info["stats"], on_device)
+    return {**info["stats"], "pool": info["pool_features"]}
 
 
 def fid_against_reference(extractor, images, reference: dict, batch_size: int = 64, progress: bool = False) -> float:
@@ -198,14 +222,16 @@ def evaluate(ref_npz, sample_npz, extractor, batch_size: int = 64, num_samples: 
 
     ``extractor``: callable uint8 NHWC tensor -> {'pool', 'spatial', 'logits'} (see
     evaluations.inception.load_inception). ``num_samples``: use the first N sample images (error if
-    fewer). Returns the dict of :func:`metrics_from_features`.
+    fewer). Returns the dict of :func:`metrics_from_features`. Host memory: the pool features of the
+    samples and the reference stay on the extractor's GPU when it has one; the logits and the spatial
+    features are reduced while they come; the matrix square roots run after the features are released.
     """
     inspect_reference(ref_npz, getattr(extractor, "feature_dims", None))  # fail fast, before any compute
     samples = inspect_samples(sample_npz, num_samples)
-    ref = reference_from_npz(ref_npz, extractor, batch_size, progress)
+    ref = reference_from_npz(ref_npz, extractor, batch_size, progress, on_device=True)
     feats = compute_features(extractor, samples, batch_size, limit=num_samples, progress=progress, desc="samples",
-                             stats_keys=("spatial",))
-    return metrics_from_features(feats, ref, split_size=split_size, device=device)
+                             stats_keys=("spatial",), inception_split=split_size, on_device=True)
+    return score_features(feats, ref, split_size=split_size, device=device)
 
 
 def format_results(result: dict) -> str:

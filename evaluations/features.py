@@ -3,7 +3,9 @@
 * :class:`NpzImages` - streams ``arr_0`` (or any key) of an .npz in batches without loading it whole.
 * :func:`load_image_folder` - a folder of PNG/JPG files -> uint8 [N, H, W, 3] (PIL, RGB).
 * :func:`compute_features` - runs a feature extractor (Inception, digits classifier, ...) over uint8
-  NHWC images in batches and returns float32 numpy arrays ``pool``, ``spatial``, ``logits``.
+  NHWC images in batches and returns float32 numpy arrays ``pool``, ``spatial``, ``logits`` (or, for
+  the evaluator, keeps them on the extractor's GPU, reduces sFID's to statistics and the logits to the
+  Inception Score while they come).
 
 Validation failures raise :class:`tread_utils.errors.UserError` with a one-line message.
 """
@@ -17,7 +19,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from evaluations.metrics import RunningStatistics
+from evaluations.metrics import InceptionScoreSplits, RunningStatistics
 from tread_utils.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -181,30 +183,44 @@ def extractor_device(extractor) -> torch.device:
 
 
 def compute_features(extractor, images, batch_size: int = 64, limit: int | None = None, progress: bool = False,
-                     desc: str = "features", keys=FEATURE_KEYS, stats_keys=()) -> dict:
+                     desc: str = "features", keys=FEATURE_KEYS, stats_keys=(), inception_split: int | None = None,
+                     on_device: bool = False) -> dict:
     """Run ``extractor`` (uint8 NHWC batch -> dict of [B, D] tensors) over ``images``.
 
     ``images``: uint8 [N, H, W, 3] numpy array or torch tensor (any device), or an :class:`NpzImages`.
     Batches of ``batch_size`` are moved to the extractor's device. Returns ``{key: float32 numpy
     [N, D]}`` for each of ``keys`` the extractor provides, except the ``stats_keys`` among them, whose
     features are not kept: ``{key + '_stats': (mu, sigma)}`` instead (sFID's 50,000 x 2023 features
-    would otherwise take 400 MB of host memory for two statistics).
+    would otherwise take 400 MB of host memory for two statistics). With ``inception_split``, the
+    logits are not kept either: ``'inception_score'`` (splits of that many, `InceptionScoreSplits`)
+    instead of 200 MB of logits at 50,000. With ``on_device`` and an extractor on a GPU, the kept
+    features are float32 tensors on that GPU instead of host arrays (the metrics take either).
     """
-    out, running = feature_pass(extractor, images, batch_size, limit, progress, desc, keys, stats_keys)
+    total = len(images) if limit is None else min(limit, len(images))
+    sinks = {}
+    if inception_split is not None and "logits" in keys:
+        sinks["logits"] = InceptionScoreSplits(inception_split, total)
+    out, running = feature_pass(extractor, images, batch_size, limit, progress, desc, keys, stats_keys,
+                                sinks=sinks, on_device=on_device)
     out.update({key + "_stats": r.result() for key, r in running.items() if r.n})
+    if "logits" in sinks and sinks["logits"].n:
+        out["inception_score"] = sinks["logits"].result()
     return out
 
 
 def feature_pass(extractor, images, batch_size: int = 64, limit: int | None = None, progress: bool = False,
-                 desc: str = "features", keys=FEATURE_KEYS, stats_keys=()) -> tuple:
+                 desc: str = "features", keys=FEATURE_KEYS, stats_keys=(), sinks=None, on_device: bool = False) -> tuple:
     """`compute_features` before its statistics are finished: ({key: float32 [N, D]}, {stats key:
-    RunningStatistics}), so that the statistics of several processes' shares can be merged."""
+    RunningStatistics}), so that the statistics of several processes' shares can be merged. ``sinks``:
+    {key: object with ``update(float32 numpy [B, D])``} that take that key's features instead of keeping them."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = extractor_device(extractor)
+    keep_on_device = on_device and device.type != "cpu"
     total = len(images) if limit is None else min(limit, len(images))
     out = {}
     running = {key: RunningStatistics() for key in stats_keys}
+    sinks = {**(sinks or {}), **running}
     bar = None
     if progress:
         bar = tqdm(total=total, desc=desc, unit="img", dynamic_ncols=True)
@@ -215,14 +231,16 @@ def feature_pass(extractor, images, batch_size: int = 64, limit: int | None = No
                 batch = torch.from_numpy(np.asarray(batch))
             result = extractor(batch.to(device))
             for key in keys:
-                if key in result:
-                    value = result[key].detach().float().reshape(len(batch), -1).cpu().numpy()
-                    if key in running:
-                        running[key].update(value)
-                        continue
-                    if key not in out:
-                        out[key] = np.empty((total, value.shape[1]), dtype=np.float32)
-                    out[key][done:done + len(batch)] = value
+                if key not in result:
+                    continue
+                value = result[key].detach().float().reshape(len(batch), -1)
+                if key in sinks:
+                    sinks[key].update(value.cpu().numpy())
+                    continue
+                if key not in out:
+                    out[key] = (torch.empty((total, value.shape[1]), dtype=torch.float32, device=device)
+                                if keep_on_device else np.empty((total, value.shape[1]), dtype=np.float32))
+                out[key][done:done + len(batch)] = value.to(device) if keep_on_device else value.cpu().numpy()
             done += len(batch)
             if bar is not None:
                 bar.update(len(batch))

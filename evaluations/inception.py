@@ -74,7 +74,8 @@ def tf1_resize_bilinear(images: torch.Tensor, out_h: int, out_w: int) -> torch.T
 
     ``src = dst * in / out`` (no half-pixel offset), ``lower = floor(src)``,
     ``upper = min(ceil(src), in - 1)``; interpolated along the width first, then along the height,
-    each as ``a + (b - a) * lerp`` like TF's kernel.
+    each as ``a + (b - a) * lerp`` like TF's kernel (computed in place on the gathered ``b``: the same
+    values, without two more image-sized temporaries).
     """
     if images.dim() != 4:
         raise ValueError(f"expected NHWC images, got shape {tuple(images.shape)}")
@@ -82,12 +83,14 @@ def tf1_resize_bilinear(images: torch.Tensor, out_h: int, out_w: int) -> torch.T
     x = images
     if in_w != out_w:
         lo, hi, t = _legacy_resize_weights(in_w, out_w, x.device)
-        left, right = x[:, :, lo, :], x[:, :, hi, :]
-        x = left + (right - left) * t.to(x.dtype).view(1, 1, -1, 1)
+        left = x[:, :, lo, :]
+        x = x[:, :, hi, :].sub_(left).mul_(t.to(x.dtype).view(1, 1, -1, 1)).add_(left)
+        del left
     if in_h != out_h:
         lo, hi, t = _legacy_resize_weights(in_h, out_h, x.device)
-        top, bottom = x[:, lo], x[:, hi]
-        x = top + (bottom - top) * t.to(x.dtype).view(1, -1, 1, 1)
+        top = x[:, lo]
+        x = x[:, hi].sub_(top).mul_(t.to(x.dtype).view(1, -1, 1, 1)).add_(top)
+        del top
     return x
 
 
@@ -95,7 +98,9 @@ def preprocess_uint8_nhwc(images) -> torch.Tensor:
     """uint8 NHWC [0, 255] -> float32 NCHW 299x299 normalised with (x - 128) / 128."""
     x = images.to(torch.float32)
     x = tf1_resize_bilinear(x, RESOLUTION, RESOLUTION)
-    x = (x - 128.0) / 128.0
+    if x.data_ptr() == images.data_ptr():  # a float input already 299x299: not the caller's tensor in place
+        x = x.clone()
+    x.sub_(128.0).div_(128.0)
     return x.permute(0, 3, 1, 2).contiguous()
 
 
@@ -111,7 +116,7 @@ class BasicConv2d(nn.Module):
         self.bn = nn.BatchNorm2d(out_channels, eps=0.001)
 
     def forward(self, x):
-        return F.relu(self.bn(self.conv(x)))
+        return F.relu(self.bn(self.conv(x)), inplace=True)  # in place on batch norm's fresh output: same values
 
 
 def _avg_pool_same(x):

@@ -6,7 +6,8 @@
   complex root is an error unless its diagonal's imaginary part is within 1e-3 of 0, in which case
   the real part is used.
 * :func:`inception_score` - softmax of the logits, consecutive splits (no shuffle) of ``split_size``,
-  per split ``exp(mean KL(p || mean p))``, mean over splits.
+  per split ``exp(mean KL(p || mean p))``, mean over splits; :class:`InceptionScoreSplits` the same over
+  logits that arrive in batches and are not kept (one split in memory).
 * :func:`precision_recall` - improved precision/recall (Kynkaanniemi et al.) with k = 3: squared
   Euclidean distances computed in float16 in blocks of 10,000 rows, 5,000 on the CPU (float32 for a
   block whose float16 result is not finite; the block size never changes the result); the radius of
@@ -14,7 +15,8 @@
   <= that point's radius. Never builds the full distance matrix: memory is O(block^2).
 
 Everything accepts numpy arrays or torch tensors. Distances run on the tensors' device (GPU when the
-features are CUDA tensors, or when ``device`` says so).
+features are CUDA tensors, or when ``device`` says so); statistics and the Inception Score copy GPU
+tensors to the host a chunk at a time, never whole.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ SQRTM_EPS = 1e-6
 IMAG_ATOL = 1e-3
 ROW_BATCH = 10_000  # ADM's distance block; the block size changes memory and speed, never the result
 COL_BATCH = 10_000
-CPU_BATCH = 5_000  # default on the CPU, where blocks live in host memory: 50K x 10K P/R peaks ~0.6 GB above its inputs
+CPU_BATCH = 5_000  # default on the CPU, where blocks live in host memory: ~180 MB of temporaries per block
 
 
 def _as_numpy64(x) -> np.ndarray:
@@ -38,29 +40,34 @@ def _as_numpy64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def _host_rows(features, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) as a host numpy array, as stored (a GPU tensor is copied over for these rows only)."""
+    rows = features[start:stop]
+    return rows.detach().cpu().numpy() if torch.is_tensor(rows) else rows
+
+
 # --------------------------------------------------------------------------------------------
 # FID
 # --------------------------------------------------------------------------------------------
 def feature_statistics(features, chunk: int = 2048):
     """(mu [D], sigma [D, D]) in float64; sigma is the unbiased covariance (N - 1), like np.cov.
 
-    Computed in float64 row chunks of 2048 (16 MB at D=2048), never a float64 copy of the whole set.
+    Computed in float64 row chunks of 2048 (32 MB at D=2048), never a float64 (or host) copy of the whole set.
     """
-    if torch.is_tensor(features):
-        features = features.detach().cpu().numpy()
-    features = np.asarray(features)
+    if not torch.is_tensor(features):
+        features = np.asarray(features)
     if features.ndim != 2:
-        raise ValueError(f"features must be 2-D [N, D], got shape {features.shape}")
+        raise ValueError(f"features must be 2-D [N, D], got shape {tuple(features.shape)}")
     n, d = features.shape
     if n < 2:
         raise ValueError(f"need at least 2 feature vectors for a covariance, got {n}")
     total = np.zeros(d, dtype=np.float64)
     for start in range(0, n, chunk):
-        total += features[start:start + chunk].astype(np.float64).sum(axis=0)
+        total += _host_rows(features, start, start + chunk).astype(np.float64).sum(axis=0)
     mu = total / n
     sigma = np.zeros((d, d), dtype=np.float64)
     for start in range(0, n, chunk):
-        centred = features[start:start + chunk].astype(np.float64) - mu
+        centred = _host_rows(features, start, start + chunk).astype(np.float64) - mu
         sigma += centred.T @ centred
     sigma /= n - 1
     return mu, sigma
@@ -143,24 +150,72 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = SQRTM_EPS) -> float:
 # --------------------------------------------------------------------------------------------
 # Inception Score
 # --------------------------------------------------------------------------------------------
-def inception_score(logits, split_size: int = 5000) -> float:
-    """Mean over consecutive splits of exp(mean_i KL(p_i || mean_j p_j)), p = softmax(logits)."""
-    if torch.is_tensor(logits):
-        logits = logits.detach().cpu().numpy()
-    logits = np.asarray(logits)
-    if logits.ndim != 2 or len(logits) == 0:
-        raise ValueError(f"logits must be a non-empty [N, C] array, got shape {logits.shape}")
+def _split_score(part: np.ndarray) -> float:
+    """exp(mean_i KL(p_i || mean_j p_j)) of one split of float64 logits (overwritten with log p)."""
+    part -= scipy.special.logsumexp(part, axis=1, keepdims=True)
+    p = np.exp(part)
+    log_marginal = np.log(p.mean(axis=0, keepdims=True))
+    kl = np.sum(p * (part - log_marginal), axis=1)
+    return np.exp(kl.mean())
+
+
+def _check_split_size(split_size: int):
     if split_size < 1:
         raise ValueError(f"split_size must be >= 1, got {split_size}")
-    scores = []
-    for start in range(0, len(logits), split_size):  # float64 one split at a time: 40 MB, not 400 MB, at 50K
-        part = logits[start:start + split_size].astype(np.float64)
-        part -= scipy.special.logsumexp(part, axis=1, keepdims=True)
-        p = np.exp(part)
-        log_marginal = np.log(p.mean(axis=0, keepdims=True))
-        kl = np.sum(p * (part - log_marginal), axis=1)
-        scores.append(np.exp(kl.mean()))
+
+
+def inception_score(logits, split_size: int = 5000) -> float:
+    """Mean over consecutive splits of exp(mean_i KL(p_i || mean_j p_j)), p = softmax(logits)."""
+    if not torch.is_tensor(logits):
+        logits = np.asarray(logits)
+    if logits.ndim != 2 or len(logits) == 0:
+        raise ValueError(f"logits must be a non-empty [N, C] array, got shape {tuple(logits.shape)}")
+    _check_split_size(split_size)
+    # float64 one split at a time: 40 MB, not 400 MB, at 50K
+    scores = [_split_score(_host_rows(logits, start, start + split_size).astype(np.float64))
+              for start in range(0, len(logits), split_size)]
     return float(np.mean(scores))
+
+
+class InceptionScoreSplits:
+    """`inception_score` of logits that arrive in batches and are not kept: the rows of the current split are
+    gathered in a float64 buffer (the float64 copy `inception_score` makes of a split) and scored as soon as
+    the split is complete, so the arithmetic, and the result, are `inception_score`'s, with one split in
+    memory instead of all the logits. ``total``: how many rows will come, if known (sizes the last split's
+    buffer; more rows than that are refused)."""
+
+    def __init__(self, split_size: int = 5000, total: int | None = None):
+        _check_split_size(split_size)
+        self.split_size, self.total = split_size, total
+        self.n, self.filled, self.buffer, self.scores = 0, 0, None, []
+
+    def update(self, batch):
+        batch = np.asarray(batch)
+        if batch.ndim != 2:
+            raise ValueError(f"logits must be [B, C], got shape {batch.shape}")
+        if self.total is not None and self.n + len(batch) > self.total:
+            raise ValueError(f"{self.n + len(batch)} rows of logits, more than the {self.total} announced")
+        start = 0
+        while start < len(batch):
+            if self.buffer is None:
+                rows = self.split_size if self.total is None else min(self.split_size, self.total - self.n)
+                self.buffer = np.empty((rows, batch.shape[1]), dtype=np.float64)
+            take = min(len(batch) - start, len(self.buffer) - self.filled)
+            self.buffer[self.filled:self.filled + take] = batch[start:start + take]
+            self.filled, self.n, start = self.filled + take, self.n + take, start + take
+            if self.filled == len(self.buffer):
+                self._score_split()
+
+    def _score_split(self):
+        self.scores.append(_split_score(self.buffer[:self.filled]))
+        self.buffer, self.filled = None, 0
+
+    def result(self) -> float:
+        if self.filled:
+            self._score_split()
+        if not self.scores:
+            raise ValueError("no logits were given")
+        return float(np.mean(self.scores))
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,18 +228,43 @@ def _block(features, start: int, stop: int, device) -> torch.Tensor:
     return rows.to(device=device, dtype=torch.float32)
 
 
+# Rows per step of the elementwise work on a distance block. On the CPU, temporaries of a whole block (20-25 MB)
+# fall below glibc's mmap threshold once it has grown, land on its heap and stay resident after they are freed:
+# precision/recall of 20K x 10K features peaked 474 MB above them that way, 273 MB in chunks. Elementwise
+# results do not depend on the chunking.
+ELEMENTWISE_ROWS = 512
+
+
+def _row_chunks(n: int):
+    return ((i, min(i + ELEMENTWISE_ROWS, n)) for i in range(0, n, ELEMENTWISE_ROWS))
+
+
+def _rounded_to_half(x: torch.Tensor):
+    """``x`` rounded to float16, held as float32 (for the float32-accumulated product), and its float16
+    squared norms (each square rounded to float16, summed in float32, the sum rounded to float16)."""
+    rounded, squares = torch.empty_like(x), torch.empty_like(x)
+    for i, j in _row_chunks(len(x)):
+        rounded[i:j] = x[i:j].to(torch.float16)
+        squares[i:j] = rounded[i:j].square().half()
+    return rounded, squares.sum(1).half()
+
+
 def pairwise_sq_distances(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """ADM's distance block: max(|u|^2 - 2 u.v + |v|^2, 0), computed in float16 (inputs and every
     intermediate rounded to float16, products accumulated in float32 like a GPU half GEMM); if any
     value is not finite, the block is recomputed in float32. Returns [len(u), len(v)]: the float16 block
     itself when finite (ADM casts it to float32, which is exact, so comparisons and top-k agree while
     the block takes half the memory), else the float32 recomputation."""
-    u16, v16 = u.to(torch.float16), v.to(torch.float16)
-    uf, vf = u16.float(), v16.float()
-    norm_u = uf.square().half().float().sum(1).half()
-    norm_v = vf.square().half().float().sum(1).half()
-    dist = (uf @ vf.t()).half()
+    # Each temporary goes as soon as it is used: at 5,000 x 5,000 x 2048 the rounded inputs (41 MB each)
+    # and the float32 product (100 MB) would otherwise all coexist with the float16 block.
+    uf, norm_u = _rounded_to_half(u)
+    vf, norm_v = _rounded_to_half(v)
+    product = uf @ vf.t()
     del uf, vf
+    dist = torch.empty(product.shape, dtype=torch.float16, device=product.device)
+    for i, j in _row_chunks(len(dist)):
+        dist[i:j] = product[i:j]
+    del product
     # (|u|^2 - 2 u.v) + |v|^2, each step rounded to float16 (in place: -2x is exact, + commutes)
     dist.mul_(-2).add_(norm_u[:, None]).add_(norm_v[None, :])
     # amax/amin catch +-inf and propagate NaN (and are much faster than isfinite on CPU halves)
@@ -252,11 +332,12 @@ def precision_recall(ref_features, sample_features, k: int = 3, row_batch_size: 
     sample_in = torch.zeros(len(sample_features), dtype=torch.bool, device=device)  # sample inside ref manifold
     for r0 in range(0, len(ref_features), row_batch_size):
         rows = _block(ref_features, r0, r0 + row_batch_size, device)
-        r_rad = radii_ref[r0:r0 + len(rows)]
         for c0 in range(0, len(sample_features), col_batch_size):
             cols = _block(sample_features, c0, c0 + col_batch_size, device)
             dist = pairwise_sq_distances(rows, cols)
-            ref_in[r0:r0 + len(rows)] |= (dist <= radii_sample[c0:c0 + len(cols)][None, :]).any(dim=1)
-            sample_in[c0:c0 + len(cols)] |= (dist <= r_rad[:, None]).any(dim=0)
+            c1 = c0 + len(cols)
+            for i, j in _row_chunks(len(dist)):  # boolean masks a chunk of rows at a time (see ELEMENTWISE_ROWS)
+                ref_in[r0 + i:r0 + j] |= (dist[i:j] <= radii_sample[c0:c1][None, :]).any(dim=1)
+                sample_in[c0:c1] |= (dist[i:j] <= radii_ref[r0 + i:r0 + j, None]).any(dim=0)
             del dist
     return sample_in.sum().item() / len(sample_in), ref_in.sum().item() / len(ref_in)

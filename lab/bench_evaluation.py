@@ -6,7 +6,7 @@
   to disk like real batches), timed end to end, with that process's peak host memory.
 - metrics: the suite's metric stage alone (IS, FID, sFID, precision/recall) on random features of N
   samples and M references, in its own process, with its peak host memory: the 50K-sample memory
-  figure on a machine where 60,000 Inception passes would take an hour.
+  figure on a machine where 60,000 Inception passes would take an hour (lab/bench_memory.py).
 - fid: FID during training for a backbone: EDM Heun sampling of N images (40 steps, unguided, as
   train.eval does), SD-VAE decoding, Inception features and the Frechet distance, each stage timed.
 Networks are randomly initialised (the real architectures: the cost is the same, the numbers mean
@@ -31,26 +31,13 @@ from data.vae import load_sd_vae, random_sd_vae
 from dit import get_model
 from edm import EDMPrecond
 from edm.sampler import StackedRandomGenerator
-from evaluations.evaluator import metrics_from_features
 from evaluations.features import compute_features
 from evaluations.inception import load_inception
-from evaluations.metrics import RunningStatistics, feature_statistics, frechet_distance
+from evaluations.metrics import feature_statistics, frechet_distance
 from generation.generate import make_sampler
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGENET_LATENT = dict(num_classes=1000, in_channels=4, input_size=32)
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory. VmHWM belongs to the process's own address space; ru_maxrss
-    would carry over the parent's peak into a freshly started child on Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        import resource  # not on every platform; only needed where /proc is missing
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def sync(device):
@@ -118,10 +105,11 @@ def run_stage(row, name, label, save, fn, *args, **kwargs):
     return out
 
 
-# Runs the evaluator CLI and reports its own peak RSS (MB) on stderr as it exits.
+# Runs the evaluator CLI and reports its own peak RSS (MB) on stderr as it exits (lab.bench_memory imports
+# nothing the evaluator does not).
 _MEASURED_EVALUATOR = """
 import atexit, runpy, sys
-from lab.bench_evaluation import peak_rss_mb
+from lab.bench_memory import peak_rss_mb
 atexit.register(lambda: print("peak_rss_mb", peak_rss_mb(), file=sys.stderr))
 sys.argv[0] = "evaluator"
 runpy.run_module("evaluations.evaluator", run_name="__main__", alter_sys=True)
@@ -180,29 +168,8 @@ def bench_suite(args, device, save=lambda rows: None):
     return rows
 
 
-def metric_stage(num_samples, num_ref, device="cpu", seed=0):
-    """ADM's metrics on random features shaped like the Inception port's; prints one JSON line with the
-    seconds and this process's peak RSS. Features are kept as the evaluator keeps them (pool and logits
-    arrays, sFID as running statistics)."""
-    rng = np.random.default_rng(seed)
-    pool, logits = np.empty((num_samples, 2048), np.float32), np.empty((num_samples, 1008), np.float32)
-    spatial = RunningStatistics()
-    for start in range(0, num_samples, 1000):
-        stop = min(start + 1000, num_samples)
-        pool[start:stop] = rng.random((stop - start, 2048), dtype=np.float32)
-        logits[start:stop] = rng.standard_normal((stop - start, 1008), dtype=np.float32)
-        spatial.update(rng.random((stop - start, 2023), dtype=np.float32))
-    ref = {"pool": rng.random((num_ref, 2048), dtype=np.float32)}
-    ref["mu"], ref["sigma"] = feature_statistics(ref["pool"])
-    ref["mu_s"], ref["sigma_s"] = spatial.result()
-    t0 = time.perf_counter()
-    metrics_from_features({"pool": pool, "logits": logits, "spatial_stats": spatial.result()}, ref,
-                          device=torch.device(device))
-    print(json.dumps(dict(seconds=time.perf_counter() - t0, peak_host_mb=peak_rss_mb())))
-
-
 def bench_metrics(args, device):
-    code = f"from lab.bench_evaluation import metric_stage; metric_stage({args.suite_samples}, {args.suite_ref}, '{device}')"
+    code = f"from lab.bench_memory import metric_stage; metric_stage({args.suite_samples}, {args.suite_ref}, '{device}')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the metric stage failed ({proc.returncode}):\n{proc.stderr[-2000:]}")

@@ -8,7 +8,8 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from lab.bench_evaluation import peak_rss_mb, sync
+from lab.bench_evaluation import sync
+from lab.bench_memory import peak_rss_mb
 
 
 def matmul_ceiling(device, dtype, size=None, min_seconds=0.5, trials=3) -> float:

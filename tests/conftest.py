@@ -158,3 +158,24 @@ def save_tiny_vae(path, sample_size):
                         norm_num_groups=8, sample_size=sample_size)
     vae.save_pretrained(path)
     return str(path)
+
+
+def projection_extractor(dims: dict, offset: float = 0.0, gain: float = 1.0):
+    """A fast stand-in with the feature extractor interface: a fixed random projection (seed 0) of 4x4-pooled
+    pixels, ``(pixels / 255 - offset) @ proj * gain``, split into ``dims`` ({'pool': 12, ...}) in that order."""
+    import torch
+
+    class ProjectionExtractor(torch.nn.Module):
+        feature_dims = dict(dims)
+
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.proj = torch.nn.Parameter(torch.randn(48, sum(dims.values()), generator=g), requires_grad=False)
+
+        def forward(self, images):
+            x = images.float().permute(0, 3, 1, 2) / 255 - offset
+            x = torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1) @ self.proj * gain
+            return dict(zip(dims, x.split(list(dims.values()), dim=1)))
+
+    return ProjectionExtractor()

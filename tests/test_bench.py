@@ -170,11 +170,11 @@ def test_bench_metric_and_fid_sections_time_each_stage(tmp_path, monkeypatch, ca
     on 2 cores; the real ones run in the suite test above and in test_evaluator_cli) replaced by recorders.
     The metric stage's child-process code is executed as written; the fid section decodes with a tiny VAE
     folder through the real loading code."""
-    from lab import bench, bench_evaluation
+    from lab import bench, bench_evaluation, bench_memory
 
     seen = {}
-    monkeypatch.setattr(bench_evaluation, "metrics_from_features", lambda feats, ref, device: seen.update(
-        metrics=(feats["pool"].shape, feats["logits"].shape, ref["pool"].shape, ref["sigma"].shape)))
+    monkeypatch.setattr(bench_memory, "score_features", lambda feats, ref, device: seen.update(
+        metrics=(feats["pool"].shape, sorted(feats), ref["pool"].shape, ref["sigma"].shape)))
     monkeypatch.setattr(bench_evaluation, "frechet_distance",
                         lambda mu1, sigma1, mu2, sigma2: seen.update(fid=(mu1.shape, sigma2.shape)) or 0.0)
 
@@ -191,7 +191,9 @@ def test_bench_metric_and_fid_sections_time_each_stage(tmp_path, monkeypatch, ca
                                       "--fid-steps", "2", "--fid-batch", "2",
                                       "--vae", save_tiny_vae(tmp_path / "vae", 64), "--out", str(out)])
     bench.main()
-    assert seen == {"metrics": ((8, 2048), (8, 1008), (4, 2048), (2048, 2048)), "fid": ((2048,), (2048, 2048))}
+    # as the evaluator holds them: pool features, the logits already reduced to IS, sFID's to statistics
+    assert seen == {"metrics": ((8, 2048), ["inception_score", "pool", "spatial_stats"], (4, 2048), (2048, 2048)),
+                    "fid": ((2048,), (2048, 2048))}
     result = json.loads(out.read_text())
     metrics, = result["metrics"]
     assert metrics["samples"] == 8 and metrics["reference"] == 4 and metrics["peak_host_mb"] > 100

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import projection_extractor
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -168,24 +169,11 @@ def test_evaluator_bad_inputs_as_subprocess(case, tmp_path, batches):
 # ---------------------------------------------------------------------------------------------
 # evaluate(): precomputed statistics win, statistics-only references, fast fake extractor
 # ---------------------------------------------------------------------------------------------
-class TinyExtractor(torch.nn.Module):
-    """A fixed random projection of 4x4-pooled pixels: fast stand-in with the extractor interface."""
-
-    feature_dims = {"pool": 12, "spatial": 6, "logits": 5}
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.proj = torch.nn.Parameter(torch.randn(48, 23, generator=g), requires_grad=False)
-
-    def forward(self, images):
-        x = images.float().permute(0, 3, 1, 2) / 255
-        x = torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1) @ self.proj
-        return {"pool": x[:, :12], "spatial": x[:, 12:18], "logits": x[:, 18:]}
+TINY_DIMS = {"pool": 12, "spatial": 6, "logits": 5}
 
 
 def test_evaluate_uses_precomputed_reference_statistics(tmp_path):
-    ext = TinyExtractor()
+    ext = projection_extractor(TINY_DIMS)
     ref_images, sample_images = _images(40, seed=3), _images(30, seed=4)
     given = {"mu": np.full(12, 0.5), "sigma": np.eye(12) * 0.2, "mu_s": np.zeros(6), "sigma_s": np.eye(6)}
     np.savez(tmp_path / "ref.npz", arr_0=ref_images, **given)
@@ -204,7 +192,7 @@ def test_evaluate_uses_precomputed_reference_statistics(tmp_path):
 
 
 def test_evaluate_computes_reference_statistics_from_images(tmp_path):
-    ext = TinyExtractor()
+    ext = projection_extractor(TINY_DIMS)
     ref_images, sample_images = _images(25, seed=7), _images(20, seed=8)
     np.savez(tmp_path / "ref.npz", arr_0=ref_images)
     np.savez(tmp_path / "sample.npz", arr_0=sample_images)
@@ -224,7 +212,7 @@ def test_evaluate_computes_reference_statistics_from_images(tmp_path):
 
 
 def test_statistics_only_reference_gives_nan_precision_recall_with_note(tmp_path):
-    ext = TinyExtractor()
+    ext = projection_extractor(TINY_DIMS)
     feats = compute_features(ext, _images(20, seed=5))
     ref = {"mu": feats["pool"].mean(0), "sigma": np.cov(feats["pool"], rowvar=False)}
     np.savez(tmp_path / "ref.npz", **ref)
