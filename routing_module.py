@@ -45,7 +45,8 @@ from typing import Annotated, Optional, Sequence, get_args, get_origin
 import torch
 import torch.nn as nn
 
-from tread_utils.route_spec import Route, RouteError, Schedule, is_number, place_routes  # noqa: F401  (the spec, re-exported)
+from tread_utils.route_spec import (Route, RouteError, Schedule, is_number, place_routes,  # noqa: F401  (re-exported)
+                                    ratio_problem)
 
 
 # ---- selection rules: fn(x [B, N, D], generator or None, **options) -> scores [B, N]; the highest are kept ----
@@ -201,8 +202,9 @@ class TokenRouter(nn.Module):
         if force_ratio is not None:
             if not self.routes:
                 raise RouteError("force_routing_ratio needs at least one configured route (model.params.routes)")
-            if not 0.0 <= force_ratio < 1.0:
-                raise RouteError(f"force_routing_ratio must be in [0, 1), got {force_ratio}")
+            problem = ratio_problem(force_ratio, "force_routing_ratio")
+            if problem:
+                raise RouteError(problem)
             return [float(force_ratio)] * len(self.routes)
         on = self.training and self.enable_routing
         return [ratio if on else 0.0 for ratio in self._step_ratios]

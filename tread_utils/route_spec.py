@@ -24,7 +24,12 @@ FUSION_INITS = ("xavier", "deep")
 
 
 class RouteError(UserError):
-    """An invalid route configuration."""
+    """An invalid route configuration. `detail`: the message without the route's name and `where` its span, for a
+    caller that names the route its own way (by its place in a list)."""
+
+    def __init__(self, message: str, detail: Optional[str] = None, where: str = ""):
+        super().__init__(message)
+        self.detail, self.where = message if detail is None else detail, where
 
 
 def is_number(value, integer: bool = False) -> bool:
@@ -32,6 +37,14 @@ def is_number(value, integer: bool = False) -> bool:
     (2.5 is not a block, false is not a ratio)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     return number and (not integer or float(value).is_integer())
+
+
+def ratio_problem(value, what: str, meaning: str = "") -> Optional[str]:
+    """What is wrong with `value` as a routing ratio (a selection ratio, a schedule's ends, the path-drop
+    probability, a forced ratio), or None: every one of them is a number in [0, 1)."""
+    if is_number(value) and 0.0 <= value < 1.0:
+        return None
+    return f"{what} must be in [0, 1){meaning}, got {value!r}"
 
 
 def doc(text: str, default=MISSING, factory=MISSING):
@@ -81,9 +94,9 @@ class Schedule(Immutable):
                 raise RouteError(f"a {self.kind} schedule needs a float end_ratio and an integer end_step (and "
                                  f"optionally start_ratio, start_step, levels), got {self.as_dict()}")
             for which in ("start_ratio", "end_ratio"):
-                r = getattr(self, which)
-                if r is not None and not 0.0 <= r < 1.0:
-                    raise RouteError(f"schedule.{which} must be in [0, 1), got {r}")
+                problem = getattr(self, which) is not None and ratio_problem(getattr(self, which), f"schedule.{which}")
+                if problem:
+                    raise RouteError(problem)
             if not 0 <= self.start_step < self.end_step:
                 raise RouteError(f"the schedule needs 0 <= start_step < end_step, got {self.start_step} and "
                                  f"{self.end_step}")
@@ -131,9 +144,9 @@ class Route(Immutable):
                 raise self.error(f"{which} must be {'an integer' if integer else 'a number'}, got {value!r}")
         self._set(start_layer_idx=int(self.start_layer_idx), end_layer_idx=int(self.end_layer_idx),
                   selection_ratio=float(self.selection_ratio))
-        if not 0.0 <= self.selection_ratio < 1.0:
-            raise self.error(f"selection_ratio must be in [0, 1) (the fraction of tokens that skip), "
-                             f"got {self.selection_ratio}")
+        problem = ratio_problem(self.selection_ratio, "selection_ratio", " (the fraction of tokens that skip)")
+        if problem:
+            raise self.error(problem)
         if not isinstance(self.selection, str) or not isinstance(self.options, Mapping):
             raise self.error(f"selection must be a rule's name and options a mapping, got {self.selection!r} and "
                              f"{self.options!r}")
@@ -151,9 +164,10 @@ class Route(Immutable):
                                ("fusion_init", FUSION_INITS)):
             if getattr(self, which) not in allowed:
                 raise self.error(f"{which} must be one of {', '.join(allowed)}, got {getattr(self, which)!r}")
-        if not is_number(self.path_drop_prob) or not 0.0 <= self.path_drop_prob < 1.0:
-            raise self.error(f"path_drop_prob must be in [0, 1) (the fraction of training samples whose deep path is "
-                             f"replaced by mask tokens), got {self.path_drop_prob!r}")
+        problem = ratio_problem(self.path_drop_prob, "path_drop_prob", " (the fraction of training samples whose deep "
+                                "path is replaced by mask tokens)")
+        if problem:
+            raise self.error(problem)
         if not isinstance(self.mask_token_trainable, bool):
             raise self.error(f"mask_token_trainable must be true or false, got {self.mask_token_trainable!r}")
         self._set(path_drop_prob=float(self.path_drop_prob), _checked=True)
@@ -162,7 +176,7 @@ class Route(Immutable):
         valid = is_number(self.start_layer_idx, True) and is_number(self.end_layer_idx, True) and \
             is_number(self.selection_ratio)
         where = f" ({self.start_layer_idx} -> {self.end_layer_idx}, ratio {self.selection_ratio})" if valid else ""
-        return RouteError(f"route{where}: {message}")
+        return RouteError(f"route{where}: {message}", message, where)
 
     def resolve(self, depth: int) -> "Route":
         """This route in a model of `depth` blocks: negative indices as block numbers, inside the model, start <= end."""
@@ -200,9 +214,7 @@ def place_routes(routes: Optional[Sequence], depth: int) -> list:
         try:
             route = (from_mapping(Route, r) if isinstance(r, Mapping) else r).resolve(depth)
         except RouteError as e:  # named by its place in the list
-            message = str(e)
-            raise RouteError(f"route {i}{message[5:]}" if message.startswith("route") else f"route {i}: {message}") \
-                from None
+            raise RouteError(f"route {i}{e.where}: {e.detail}") from None
         if placed and route.start_layer_idx <= placed[-1].end_layer_idx:
             prev = placed[-1]
             raise RouteError(f"route {i} ({route.start_layer_idx} -> {route.end_layer_idx}): overlaps or comes "
