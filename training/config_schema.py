@@ -8,7 +8,9 @@ YAML defaults lists name them, so composition itself refuses an unknown key or a
 defaults here (a route's, for one). The YAML files stay the defaults users read: a key the YAML always sets
 has no default here (MISSING), a key it may leave out has its default here (None = "decided elsewhere",
 see its text). A key's value rule sits with its field (`rule`: checked by `training.config_check`, shown in
-the reference); `training.config_check` adds the rules that span keys.
+the reference); `training.config_check` adds the rules that span keys. The words fields are written in (`key`,
+`Rule`) are tread_utils/schema_fields.py's; `model.params` is tread_utils/model_spec.py's, which the model
+layer reads too.
 
 Light on purpose (dataclasses, omegaconf and Hydra's ConfigStore): a bad config is refused before torch
 is imported.
@@ -18,7 +20,7 @@ from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from tread_utils.route_spec import Route
+from tread_utils.model_spec import ModelParamsSchema
 from tread_utils.schema_fields import UNIT, Rule, above, at_least, each, key, one_of, or_null, registry
 
 
@@ -29,27 +31,6 @@ SHARDS_ONLY = ("train_path", "scale_factor", "random_flip", "posterior_sampling"
 # [sigma_lo, sigma_hi] of a guidance interval, training's (train.eval) and sample.py's
 GUIDANCE_INTERVAL = Rule(lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
                          "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi")
-
-
-@dataclass
-class ModelParamsSchema:
-    num_classes: int = key("number of classes (the null class is added): the dataset's", rule=at_least(1))
-    in_channels: int = key("latent channels: the dataset's", rule=at_least(1))
-    input_size: int = key("latent height = width: the dataset's", rule=at_least(1))
-    enable_routing: bool = key("routing during training")
-    routes: List[Route] = key("routes, in order, without overlap")
-    depth: Optional[int] = key("override the backbone's number of blocks (null: the registry's)", None)
-    hidden_size: Optional[int] = key("override the backbone's width", None)
-    num_heads: Optional[int] = key("override the backbone's attention heads", None)
-    mlp_ratio: Optional[float] = key("override the MLP width ratio (4)", None)
-    patch_size: Optional[int] = key("override the patch size", None)
-    qk_norm: Optional[bool] = key("normalise queries and keys (false)", None)
-    fp32_after_route: Optional[bool] = key("route bookkeeping in fp32 under mixed precision (true)", None)
-    grad_checkpointing: Optional[bool] = key("recompute block activations in the backward pass (false)", None)
-    block_type: Optional[str] = key("attention or ssm (the registry's)", None)
-    init: str = key("weight initialisation: official (the authors' xavier) or adaln_zero (DiT's)")
-    cond_mode: str = key("conditioning: adaln (the only one)")
-    learn_sigma: bool = key("predict the variance too (not supported: false)")
 
 
 @dataclass
