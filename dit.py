@@ -10,8 +10,10 @@ output has the input's channels (no learned sigma). All initialisation is in `in
   DiT-S/2 outputs std ~1.1);
 * `init="adaln_zero"` is DiT's adaLN-Zero (Peebles & Xie): those layers start at zero (output exactly 0).
 """
+import dataclasses
 import inspect
 import math
+import typing
 
 import numpy as np
 import torch
@@ -24,10 +26,12 @@ from backbones import Mlp, modulate
 from backbones.sprint import SprintFusion
 from backbones.ssm import SSMBlock
 import routing_module
-from routing_module import TokenRouter, as_routes, autocast_on, is_number
+from routing_module import TokenRouter, as_routes, autocast_on
 from tread_utils.errors import UserError
 from tread_utils.hub import (CONFIG_NAME, WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_config,
                              read_weights, refuse_missing_folder)
+from tread_utils import model_spec
+from tread_utils.schema_fields import TYPE_WORDS, plain_type, takes
 
 
 class PatchEmbed(nn.Module):
@@ -154,7 +158,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         self.y_embedder = LabelEmbedder(num_classes, hidden_size)
         grid = self.x_embedder.grid_size[0]
         self.register_buffer("pos_embed", sincos_pos_embed_2d(hidden_size, grid).unsqueeze(0), persistent=False)
-        block_cls = block_classes()[block_type]
+        block_cls = BLOCK_TYPES[block_type]
         self.blocks = nn.ModuleList([block_cls(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
         self.router = TokenRouter(as_routes(routes, depth), enable_routing, fp32_after_route)
         # SPRINT routes' mask token and projection (none for TREAD routes: their state dict is unchanged)
@@ -274,8 +278,9 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         return model.to(map_location).eval()
 
 
-def block_classes():
-    return {"attention": DiTBlock, "ssm": SSMBlock}
+# The block registry (model.params.block_type): the schema's rule reads it, so a block added here, by this file
+# or from outside, is a config value at once. A block is built as cls(hidden_size, num_heads, mlp_ratio, qk_norm).
+BLOCK_TYPES = {"attention": DiTBlock, "ssm": SSMBlock}
 
 
 def _registry():
@@ -293,55 +298,41 @@ def _registry():
 # (backbones/ssm.py), a backbone that is not a transformer, routed by the same block loop.
 DiT_models = _registry()
 
-MODEL_PARAM_KEYS = {"num_classes", "in_channels", "input_size", "enable_routing", "routes", "depth", "hidden_size",
-                    "num_heads", "mlp_ratio", "patch_size", "qk_norm", "fp32_after_route", "grad_checkpointing",
-                    "block_type", "init", "cond_mode", "learn_sigma"}
-INITS = ("official", "adaln_zero")
-# Keys of the authors' model config that name the only behaviour built here: accepted with that value alone.
-PAPER_ONLY_VALUES = {"cond_mode": ("adaln", "adaLN conditioning is the only one built"),
-                     "learn_sigma": (False, "EDM's denoiser predicts no variance")}
+INITS = ("official", "adaln_zero")  # initialize_weights's (model.params.init; the schema's rule reads it)
 
 
 def checked_arguments(params, where: str = "model.params") -> dict:
-    """The checked arguments of `DiT` (nulls dropped): known keys, value types as DiT's defaults have them (an
-    int is never a bool or a string of digits), the values this code builds, routes resolved into `Route`s.
-    The one check of a model's values, for the config, exported config.json files and Python callers alike;
-    `where` names the source in its one-line UserError."""
+    """The checked arguments of `DiT` (nulls dropped): the keys, types and value rules of `model.params`
+    (tread_utils.model_spec, the config's own; an int is never a bool or a string of digits), the values this
+    code builds, sizes that fit, routes resolved into `Route`s. The one check of a model's values, for the config,
+    exported config.json files and Python callers alike; `where` names the source in its one-line UserError."""
     def name(key):  # model.params.depth, or depth in exported/x/config.json
         return f"{where}.{key}" if where == "model.params" else f"{key} in {where}"
 
     params = {k: v for k, v in dict(params).items() if v is not None}
-    unknown = sorted(set(params) - MODEL_PARAM_KEYS)
+    fields = {f.name: f for f in dataclasses.fields(model_spec.ModelParamsSchema)}
+    unknown = sorted(set(params) - set(fields))
     if unknown:
-        raise UserError(f"unknown {where} key(s) {unknown}; accepted: {sorted(MODEL_PARAM_KEYS)}")
-    for key, (supported, why) in PAPER_ONLY_VALUES.items():
+        raise UserError(f"unknown {where} key(s) {unknown}; accepted: {sorted(fields)}")
+    for key, (supported, why) in model_spec.PAPER_ONLY_VALUES.items():
         value = params.pop(key, supported)
         if value != supported:
             raise UserError(f"{name(key)}={value!r} is not supported: only {supported!r} ({why}); "
                             f"remove the key or set it to {supported!r}")
-    defaults = dit_defaults()
+    types = typing.get_type_hints(model_spec.ModelParamsSchema)
     for key, value in params.items():
-        kind = type(defaults[key])  # routes (default None): checked by as_routes below
-        ok = is_number(value, integer=kind is int) if kind in (int, float) else kind is type(None) or \
-            isinstance(value, kind)
-        if not ok:
-            raise UserError(f"{name(key)} must be {TYPE_NAMES[kind]}, got {value!r} ({type(value).__name__})")
+        kind, rule = plain_type(types[key]), fields[key].metadata["rule"]
+        if not takes(kind, value):  # routes: checked by as_routes below
+            raise UserError(f"{name(key)} must be {TYPE_WORDS[kind]}, got {value!r} ({type(value).__name__})")
         if kind in (int, float):
             params[key] = kind(value)
-    kwargs = {**defaults, **params}
-    if kwargs["init"] not in INITS:
-        raise UserError(f"{name('init')} must be one of {', '.join(INITS)}, got {kwargs['init']!r} "
-                        f"(official: the authors' xavier init; adaln_zero: DiT's)")
-    if kwargs["block_type"] not in block_classes():
-        raise UserError(f"{name('block_type')} must be one of {', '.join(block_classes())}, "
-                        f"got {kwargs['block_type']!r}")
+        if rule is not None and not rule.ok(params[key]):
+            raise UserError(f"{name(key)} must be {rule.allowed}, got {value!r}")
+    kwargs = {**dit_defaults(), **params}
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
     params["routes"] = as_routes(params.get("routes"), kwargs["depth"])  # resolved once, passed as objects
     return params
-
-
-TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def dit_defaults() -> dict:

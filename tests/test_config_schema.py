@@ -198,11 +198,9 @@ def test_names_the_schema_allows_are_the_registries(monkeypatch):
     """The schema keeps no copy of a registry's names: its rule reads the registry, so a name added there is
     accepted and documented at once."""
     import data
-    import dit
     from evaluations import digits_classifier, inception
 
     assert S.SCORER_FEATURE_DIMS == {"digits": digits_classifier.POOL_DIM, "shards": inception.POOL_DIM}
-    assert dit.MODEL_PARAM_KEYS == set(S.ModelParamsSchema.__dataclass_fields__)
     kind = next(f for f in dataclasses.fields(S.DatasetSchema) if f.name == "kind").metadata["rule"]
     assert not kind.ok("folder") and kind.allowed == "one of digits, shards"
     monkeypatch.setitem(data.DATASETS, "folder", data.DATASETS["digits"])

@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from training import config_schema as S
 from tread_utils.errors import UserError
+from tread_utils.schema_fields import TYPE_WORDS, scalar_type
 
 
 def _field_types(cls) -> dict:
@@ -85,13 +86,6 @@ def group_given_a_value(cls, key: str, value) -> UserError:
                      f"e.g. {key}.{names[0]}={value}")
 
 
-def scalar_type(tp):
-    """bool, int or float for such a field (Optional or not), else None."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    tp = args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
-    return tp if tp in (bool, int, float) else None
-
-
 def check_override_types(overrides, root=None):
     """Hydra's composition converts a command-line 2 into true for a flag: each `key=value` of the command line,
     as typed there, against its key's type (a flag takes true or false, a count an integer, a number no bool)."""
@@ -118,9 +112,6 @@ def exact_type(tp, value) -> bool:
     if kind is bool:
         return isinstance(value, bool)
     return not isinstance(value, bool) and (kind is float or float(value).is_integer())
-
-
-TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number"}
 
 
 def _walk_lists(cls, data, path: str, root):

@@ -8,74 +8,20 @@ YAML defaults lists name them, so composition itself refuses an unknown key or a
 defaults here (a route's, for one). The YAML files stay the defaults users read: a key the YAML always sets
 has no default here (MISSING), a key it may leave out has its default here (None = "decided elsewhere",
 see its text). A key's value rule sits with its field (`rule`: checked by `training.config_check`, shown in
-the reference); `training.config_check` adds the rules that span keys.
+the reference); `training.config_check` adds the rules that span keys. The words fields are written in (`key`,
+`Rule`) are tread_utils/schema_fields.py's; `model.params` is tread_utils/model_spec.py's, which the model
+layer reads too.
 
 Light on purpose (dataclasses, omegaconf and Hydra's ConfigStore): a bad config is refused before torch
 is imported.
 """
-import importlib
-from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Callable, List, Optional, Union
+from dataclasses import dataclass, make_dataclass
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 
-from tread_utils.route_spec import Route
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a key's value may be: `ok(value)` and the words that say it (`allowed`: a string, or a function
-    that reads a registry when a config is checked or documented, so the names have one home)."""
-    ok: Callable[[Any], bool]
-    words: Union[str, Callable[[], str]]
-    reads_registry: bool = False
-
-    @property
-    def allowed(self) -> str:
-        return self.words() if callable(self.words) else self.words
-
-
-def at_least(n) -> Rule:
-    return Rule(lambda v: v >= n, f">= {n}")
-
-
-def above(n) -> Rule:
-    return Rule(lambda v: v > n, f"> {n}")
-
-
-UNIT = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
-
-
-def one_of(*names) -> Rule:
-    return Rule(lambda v: v in names, f"one of {', '.join(names)}")
-
-
-def or_null(rule: Rule, meaning: str) -> Rule:
-    return Rule(lambda v: v is None or rule.ok(v), f"null ({meaning}) or {rule.allowed}")
-
-
-def each(rule: Rule, empty: str = "") -> Rule:
-    """A list whose every value follows `rule`; `empty`: what an empty list means (absent: refused)."""
-    return Rule(lambda v: (bool(empty) or len(v) > 0) and all(x is not None and rule.ok(x) for x in v),
-                f"a list of values {rule.allowed}" + (f" ({empty}: [])" if empty else ", at least one"))
-
-
-def registry(path: str) -> Rule:
-    """A name in a registry, `module:attribute`; read when the rule runs (the registries import torch)."""
-    def names():
-        module, _, attr = path.partition(":")
-        return tuple(getattr(importlib.import_module(module), attr))
-    return Rule(lambda v: v in names(), lambda: f"one of {', '.join(names())}", reads_registry=True)
-
-
-def key(doc: str, default=MISSING, factory=None, *, rule: Optional[Rule] = None, eg=None):
-    """A schema field with its documentation, the rule its value follows (checked by training.config_check, shown
-    by the reference) and an example value for a refusal's fix; `factory` builds a mutable default (a list)."""
-    metadata = {"doc": doc, "rule": rule, "eg": eg}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+from tread_utils.model_spec import ModelParamsSchema
+from tread_utils.schema_fields import UNIT, Rule, above, at_least, each, key, one_of, or_null, registry
 
 
 # dataset.kind -> feature dimension of the in-training FID scorer (digits classifier, Inception pool_3):
@@ -85,27 +31,6 @@ SHARDS_ONLY = ("train_path", "scale_factor", "random_flip", "posterior_sampling"
 # [sigma_lo, sigma_hi] of a guidance interval, training's (train.eval) and sample.py's
 GUIDANCE_INTERVAL = Rule(lambda v: v is None or (len(v) == 2 and 0 <= v[0] <= v[1]),
                          "null or [sigma_lo, sigma_hi] with 0 <= sigma_lo <= sigma_hi")
-
-
-@dataclass
-class ModelParamsSchema:
-    num_classes: int = key("number of classes (the null class is added): the dataset's", rule=at_least(1))
-    in_channels: int = key("latent channels: the dataset's", rule=at_least(1))
-    input_size: int = key("latent height = width: the dataset's", rule=at_least(1))
-    enable_routing: bool = key("routing during training")
-    routes: List[Route] = key("routes, in order, without overlap")
-    depth: Optional[int] = key("override the backbone's number of blocks (null: the registry's)", None)
-    hidden_size: Optional[int] = key("override the backbone's width", None)
-    num_heads: Optional[int] = key("override the backbone's attention heads", None)
-    mlp_ratio: Optional[float] = key("override the MLP width ratio (4)", None)
-    patch_size: Optional[int] = key("override the patch size", None)
-    qk_norm: Optional[bool] = key("normalise queries and keys (false)", None)
-    fp32_after_route: Optional[bool] = key("route bookkeeping in fp32 under mixed precision (true)", None)
-    grad_checkpointing: Optional[bool] = key("recompute block activations in the backward pass (false)", None)
-    block_type: Optional[str] = key("attention or ssm (the registry's)", None)
-    init: str = key("weight initialisation: official (the authors' xavier) or adaln_zero (DiT's)")
-    cond_mode: str = key("conditioning: adaln (the only one)")
-    learn_sigma: bool = key("predict the variance too (not supported: false)")
 
 
 @dataclass
