@@ -159,6 +159,12 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         grid = self.x_embedder.grid_size[0]
         self.register_buffer("pos_embed", sincos_pos_embed_2d(hidden_size, grid).unsqueeze(0), persistent=False)
         block_cls = BLOCK_TYPES[block_type]
+        # A block class with `takes_positions = True` (one with RoPE, say) is called `block(x, c, positions)`, each
+        # token's (row, column) on the patch grid [B, N, 2]; inside a route, the kept tokens' own.
+        rows, columns = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+        self.register_buffer("grid_positions", torch.stack([rows, columns], -1).reshape(1, -1, 2).float(),
+                             persistent=False)
+        self.takes_positions = getattr(block_cls, "takes_positions", False)
         self.blocks = nn.ModuleList([block_cls(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
         self.router = TokenRouter(as_routes(routes, depth), enable_routing, fp32_after_route)
         # SPRINT routes' mask token and projection (none for TREAD routes: their state dict is unchanged)
@@ -203,16 +209,17 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         x = x.reshape(x.shape[0], h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, h * p, w * p)
 
-    def run_block(self, block, x, c, fp32: bool = False):
+    def run_block(self, block, x, c, fp32: bool = False, positions=None):
         """One block, recomputed in the backward pass under grad_checkpointing. `fp32`: it follows a route that
         dropped tokens, and with fp32_after_route runs outside autocast, as the official code does (it sees tokens
-        from two depths at once)."""
+        from two depths at once). `positions`: the tokens' grid positions, for a block that takes them."""
         if fp32 and self.router.fp32_after_route and autocast_on(x.device.type):
             with torch.autocast(device_type=x.device.type, enabled=False):
-                return self.run_block(block, x.float(), c.float())
+                return self.run_block(block, x.float(), c.float(), positions=positions)
+        inputs = (x, c) if positions is None else (x, c, positions)
         if self.grad_checkpointing and torch.is_grad_enabled():
-            return checkpoint(block, x, c, use_reentrant=False)
-        return block(x, c)
+            return checkpoint(block, *inputs, use_reentrant=False)
+        return block(*inputs)
 
     def forward(self, x, t, y=None, force_routing_ratio=None, routing_seed=None, force_keep=None,
                 drop_deep_path=False, repa_tap=None):
@@ -232,6 +239,8 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         if routing_seed is not None and starts:
             generator = torch.Generator(device=x.device).manual_seed(int(routing_seed))
         end = keep_idx = fusion = fp32_block = None
+        all_positions = self.grid_positions.expand(x.shape[0], -1, -1) if self.takes_positions else None
+        positions = all_positions
         for i, block in enumerate(self.blocks):
             if i in starts:  # select the tokens that take the route (all of them at ratio 0: a fusion route)
                 k, route, ratio = starts[i]
@@ -240,9 +249,11 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
                     keep_idx = routing_module.select_kept_tokens(x, ratio, generator, route.selection, force_keep,
                                                                  **route.options)
                     x = routing_module.start_route(x, keep_idx)
+                    if positions is not None:  # the kept tokens carry their own positions through the route
+                        positions = routing_module.start_route(positions, keep_idx)
             dropped = end is not None and drop_deep_path and fusion is not None  # the deep path is not run
             if not dropped:
-                x = self.run_block(block, x, c, fp32=i == fp32_block)
+                x = self.run_block(block, x, c, fp32=i == fp32_block, positions=positions)
                 if repa_tap is not None and i == repa_tap.block:
                     repa_tap(x, keep_idx)
             if i == end:  # restore the full sequence: the skipped tokens rejoin (TREAD), or SPRINT's fusion
@@ -252,6 +263,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
                     x = fusion(None, x_route, keep_idx, drop_all=True) if dropped else fusion(x, x_route, keep_idx)
                 fp32_block = None if keep_idx is None else i + 1
                 end = keep_idx = fusion = None
+                positions = all_positions
         return self.unpatchify(self.final_layer(x, c))
 
     @classmethod
