@@ -23,7 +23,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch.utils.checkpoint import checkpoint
 
 from backbones import Mlp, modulate
-from backbones.sprint import SprintFusion
+from backbones.sprint import SPRINT
 from backbones.ssm import SSMBlock
 import routing_module
 from routing_module import TokenRouter, as_routes, autocast_on
@@ -166,12 +166,11 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
                              persistent=False)
         self.takes_positions = getattr(block_cls, "takes_positions", False)
         self.blocks = nn.ModuleList([block_cls(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
-        self.router = TokenRouter(as_routes(routes, depth), enable_routing, fp32_after_route)
-        # SPRINT routes' mask token and projection (none for TREAD routes: their state dict is unchanged)
-        self.fusions = nn.ModuleDict({
-            str(k): SprintFusion(hidden_size, r.path_drop_prob, r.mask_token_trainable, r.mask_token_init,
-                                 r.fusion_init)
-            for k, r in enumerate(self.router.routes) if r.fusion == "sprint"})
+        self.router = TokenRouter(as_routes(routes, depth, RESTORES), enable_routing, fp32_after_route)
+        # each restore strategy's module (SPRINT's mask token and projection; none for TREAD routes, whose state
+        # dict is unchanged)
+        self.fusions = nn.ModuleDict({str(k): RESTORES[r.fusion].build(hidden_size, r, **r.fusion_options)
+                                      for k, r in enumerate(self.router.routes) if r.fusion != "none"})
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.initialize_weights(init)
 
@@ -190,7 +189,8 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
         for fusion in self.fusions.values():  # its own init (SPRINT's), not the blanket xavier
-            fusion.reset_parameters()
+            if hasattr(fusion, "reset_parameters"):
+                fusion.reset_parameters()
         if init == "official":  # the authors' code stops here: modulation and output layers keep xavier
             return
         # adaLN-Zero: every residual branch and the output start at zero.
@@ -251,12 +251,12 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
                     x = routing_module.start_route(x, keep_idx)
                     if positions is not None:  # the kept tokens carry their own positions through the route
                         positions = routing_module.start_route(positions, keep_idx)
-            dropped = end is not None and drop_deep_path and fusion is not None  # the deep path is not run
+            dropped = end is not None and drop_deep_path and getattr(fusion, "drops_deep_path", False)  # not run
             if not dropped:
                 x = self.run_block(block, x, c, fp32=i == fp32_block, positions=positions)
                 if repa_tap is not None and i == repa_tap.block:
                     repa_tap(x, keep_idx)
-            if i == end:  # restore the full sequence: the skipped tokens rejoin (TREAD), or SPRINT's fusion
+            if i == end:  # restore the full sequence: the skipped tokens rejoin (TREAD), or the route's strategy
                 if fusion is None:
                     x = routing_module.end_route(x, x_route, keep_idx)
                 else:
@@ -293,6 +293,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
 # The block registry (model.params.block_type): the schema's rule reads it, so a block added here, by this file
 # or from outside, is a config value at once. A block is built as cls(hidden_size, num_heads, mlp_ratio, qk_norm).
 BLOCK_TYPES = {"attention": DiTBlock, "ssm": SSMBlock}
+RESTORES = {"sprint": SPRINT}  # a route's `fusion` other than none (end_route): routing_module.Restore
 
 
 def _registry():
@@ -343,7 +344,7 @@ def checked_arguments(params, where: str = "model.params") -> dict:
     kwargs = {**dit_defaults(), **params}
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
-    params["routes"] = as_routes(params.get("routes"), kwargs["depth"])  # resolved once, passed as objects
+    params["routes"] = as_routes(params.get("routes"), kwargs["depth"], RESTORES)  # resolved once, as objects
     return params
 
 

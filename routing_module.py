@@ -40,7 +40,7 @@ samples with fewer fill the rest by their selection rule.
 """
 import inspect
 from dataclasses import replace
-from typing import Annotated, Optional, Sequence, get_args, get_origin
+from typing import Annotated, Callable, NamedTuple, Optional, Sequence, get_args, get_origin
 
 import torch
 import torch.nn as nn
@@ -80,11 +80,11 @@ def importance_scores(x: torch.Tensor, generator: Optional[torch.Generator], *,
 SELECTIONS = {"random": random_scores, "importance": importance_scores}
 
 
-def selection_options(rule: str) -> dict:
-    """A rule's options: name -> (type, (low, high) or None, default), from its keyword-only parameters
+def keyword_options(fn) -> dict:
+    """A function's options: name -> (type, (low, high) or None, default), from its keyword-only parameters
     (`Annotated[float, low, high]` gives an inclusive range)."""
     options = {}
-    for p in inspect.signature(SELECTIONS[rule]).parameters.values():
+    for p in inspect.signature(fn).parameters.values():
         if p.kind is p.KEYWORD_ONLY:
             kind, bounds = p.annotation, None
             if get_origin(kind) is Annotated:
@@ -93,44 +93,83 @@ def selection_options(rule: str) -> dict:
     return options
 
 
-def check_selection(rule, options, name: str) -> dict:
-    """The route's rule and options, checked against the rule's signature: {key: value} in key order."""
-    if rule not in SELECTIONS:
-        raise RouteError(f"{name}: selection must be one of {', '.join(SELECTIONS)}, got {rule!r}")
-    accepted, checked = selection_options(rule), {}
+def selection_options(rule: str) -> dict:
+    """A selection rule's options (`keyword_options`)."""
+    return keyword_options(SELECTIONS[rule])
+
+
+def check_options(fn, options, name: str, what: str) -> dict:
+    """`options` checked against `fn`'s keyword-only parameters: {key: value} in key order."""
+    accepted, checked = keyword_options(fn), {}
     for key, value in dict(options or {}).items():
         if key not in accepted:
-            raise RouteError(f"{name}: selection {rule} has no option {key!r}; its options: "
-                             f"{', '.join(accepted) or 'none'}")
+            raise RouteError(f"{name}: {what} has no option {key!r}; its options: {', '.join(accepted) or 'none'}")
         kind, bounds, _ = accepted[key]
         ok = is_number(value, integer=kind is int) if kind in (int, float) else isinstance(value, kind)
         if not ok:
-            raise RouteError(f"{name}: selection option {key} must be {kind.__name__}, got {value!r}")
+            raise RouteError(f"{name}: {what.split()[0]} option {key} must be {kind.__name__}, got {value!r}")
         if bounds and not bounds[0] <= value <= bounds[1]:
             raise RouteError(f"{name}: {key} must be in [{bounds[0]}, {bounds[1]}], got {value}")
         checked[key] = kind(value)
     return dict(sorted(checked.items()))
 
 
-def resolve_routes(routes: Optional[Sequence], depth: int) -> list:
+def check_selection(rule, options, name: str) -> dict:
+    """The route's rule and options, checked against the rule's signature: {key: value} in key order."""
+    if rule not in SELECTIONS:
+        raise RouteError(f"{name}: selection must be one of {', '.join(SELECTIONS)}, got {rule!r}")
+    return check_options(SELECTIONS[rule], options, name, f"selection {rule}")
+
+
+class Restore(NamedTuple):
+    """A restore strategy: how a route gives the full sequence back other than by rejoining the skipped tokens
+    unchanged (`end_route`, the route's `fusion: none`). A model registers its strategies by name
+    (dit.RESTORES).
+
+    build(hidden_size, route, **options) -> the model's module for one route (its parameters in the state dict
+    under `fusions.K`); the route's `fusion_options` are checked against build's keyword-only parameters. The
+    module is called where the route ends, module(x_deep [B, K, C], x_shallow [B, N, C] the route's input,
+    keep_idx [B, K]) -> [B, N, C]; `reset_parameters()`, if it has one, runs after the model's initialisation.
+    A module with `drops_deep_path = True` also takes (None, x_shallow, keep_idx, drop_all=True): the route's
+    blocks skipped (path-drop guidance).
+    flops(hidden_size, num_tokens) -> its forward FLOPs per sample, for the FLOP report's analytic count."""
+    build: Callable
+    flops: Callable
+
+
+def check_restore(route: Route, restores: dict, name: str) -> Route:
+    """The route with its restore strategy's name and options checked against `restores` (a model's registry)."""
+    if route.fusion == "none":
+        if route.fusion_options:
+            raise RouteError(f"{name}: fusion_options {route.fusion_options} need a restore strategy (fusion)")
+        return route
+    if route.fusion not in restores:
+        raise RouteError(f"{name}: fusion must be one of none, {', '.join(restores)}, got {route.fusion!r}")
+    options = check_options(restores[route.fusion].build, route.fusion_options, name, f"fusion {route.fusion}")
+    return replace(route, fusion_options=options)
+
+
+def resolve_routes(routes: Optional[Sequence], depth: int, restores: Optional[dict] = None) -> list:
     """Routes from the config (or `Route`s) placed in a model of `depth` blocks (tread_utils.route_spec.place_routes: negative
     indices as block numbers, in order, without overlap), each with its selection rule and options checked against
-    the rule's signature."""
+    the rule's signature, and with `restores` (a model's registry, dit.RESTORES) its restore strategy too."""
     placed = place_routes(routes, depth)
     for i, route in enumerate(placed):
         name = f"route {i} ({route.start_layer_idx} -> {route.end_layer_idx}, ratio {route.selection_ratio})"
         placed[i] = replace(route, options=check_selection(route.selection, route.options, name))
+        if restores is not None:
+            placed[i] = check_restore(placed[i], restores, name)
     return placed
 
 
-def as_routes(routes: Optional[Sequence], depth: int) -> list:
+def as_routes(routes: Optional[Sequence], depth: int, restores: Optional[dict] = None) -> list:
     """Routes already placed in the model (`Route`s, e.g. a model's `router.routes`) as they are; a config's
     mappings, or `Route`s with negative indices, resolved (`resolve_routes`). Resolving happens once, where a launch reads the config; the model, the FLOP
     report and the exports then pass the objects along."""
     routes = list(routes or [])
     if all(isinstance(r, Route) and 0 <= r.start_layer_idx <= r.end_layer_idx < depth for r in routes):
         return routes
-    return resolve_routes(routes, depth)  # mappings, or Routes built with negative indices
+    return resolve_routes(routes, depth, restores)  # mappings, or Routes built with negative indices
 
 
 def num_kept(num_tokens: int, ratio: float) -> int:

@@ -16,10 +16,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from routing_module import Restore
 
 
 class SprintFusion(nn.Module):
-    """The mask token and the 2C -> C projection of one route; the router calls it where the route ends."""
+    """The mask token and the 2C -> C projection of one route; the model calls it where the route ends."""
+    drops_deep_path = True  # path-drop guidance's weak branch: mask tokens in place of the route's blocks
 
     def __init__(self, hidden_size: int, path_drop_prob: float = 0.1, mask_token_trainable: bool = False,
                  mask_token_init: str = "normal", fusion_init: str = "xavier"):
@@ -66,3 +68,14 @@ class SprintFusion(nn.Module):
             dropped = torch.rand(B, 1, 1, device=deep.device) < self.path_drop_prob
             deep = torch.where(dropped, mask, deep)
         return self.proj(torch.cat([deep, x_shallow.to(dtype)], dim=-1))
+
+
+def sprint_flops(hidden_size: int, num_tokens: int) -> int:
+    """The 2C -> C projection's forward FLOPs per sample (the mask token's scatter counts none)."""
+    return 2 * num_tokens * 2 * hidden_size * hidden_size
+
+
+SPRINT = Restore(build=lambda hidden_size, route: SprintFusion(hidden_size, route.path_drop_prob,
+                                                               route.mask_token_trainable, route.mask_token_init,
+                                                               route.fusion_init),
+                 flops=sprint_flops)

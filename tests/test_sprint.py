@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import dit
 from dit import get_model
 from routing_module import RouteError, resolve_routes, select_kept_tokens
 from test_routing import inputs, route
@@ -117,7 +118,7 @@ def test_drop_deep_path_skips_the_deep_blocks():
                                             (dict(mask_token_trainable="yes"), "mask_token_trainable")])
 def test_bad_fusion_value_is_one_clear_line(option, needle):
     with pytest.raises(RouteError, match=needle):
-        resolve_routes([dict(SPRINT, **option)], 6)
+        resolve_routes([dict(SPRINT, **option)], 6, dit.RESTORES)  # the model's registry names the strategies
     assert issubclass(RouteError, UserError)
 
 

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from dit import DiT_models, get_model
+from dit import RESTORES, DiT_models, get_model
 from routing_module import as_routes, num_kept
 from training import config_schema  # noqa: F401  (stores the schema the YAML extends in Hydra's ConfigStore)
 from training.repa import projector_training_flops
@@ -104,7 +104,7 @@ def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, r
     per_sample = sum(block_forward_flops(a, n) for n in counts)
     # the SSM's convolution kernels (forward and backward scan) are built once per batch, not per sample
     per_batch = sum(2 * 2 * D * S * n for n in counts) if a["block_type"] == "ssm" else 0
-    per_sample += sum(2 * N * 2 * D * D for r in routes if r.fusion == "sprint")  # SPRINT's 2C -> C projection
+    per_sample += sum(RESTORES[r.fusion].flops(D, N) for r in routes if r.fusion != "none")  # restore strategies
     per_sample += 2 * D * D                               # timestep MLP, second layer
     per_sample += 2 * D * 2 * D + 2 * N * D * p * p * C   # final adaLN and linear
     no_input_grad = 2 * N * C * p * p * D + 2 * 256 * D   # patch embedding, timestep MLP's first layer

@@ -18,7 +18,6 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from tread_utils.errors import UserError
 
 SCHEDULE_KINDS = ("constant", "linear", "cosine")
-FUSIONS = ("none", "sprint")                  # how a route ends: end_route, or SPRINT's (backbones/sprint.py)
 MASK_TOKEN_INITS = ("normal", "zeros")
 FUSION_INITS = ("xavier", "deep")
 
@@ -131,7 +130,10 @@ class Route(Immutable):
     options: Dict[str, Any] = doc("the selection rule's keyword options, e.g. importance_mix", factory=dict)
     importance_mix: Optional[float] = doc("importance: options.importance_mix, also accepted here", None)
     schedule: Schedule = doc("the ratio as a function of the training step", factory=Schedule)
-    fusion: str = doc("none (TREAD: skipped tokens rejoin unchanged) or sprint (SPRINT's sparse deep path)", "none")
+    fusion: str = doc("how the route restores the sequence: none (TREAD: skipped tokens rejoin unchanged) or a "
+                      "restore strategy of dit.RESTORES: sprint (SPRINT's sparse deep path), ...", "none")
+    fusion_options: Dict[str, Any] = doc("the restore strategy's keyword options (SPRINT's are the sprint keys below)",
+                                         factory=dict)
     path_drop_prob: float = doc("sprint: training samples whose deep output is all mask tokens, in [0, 1)", 0.1)
     mask_token_trainable: bool = doc("sprint: train the mask token (SPRINT: frozen)", False)
     mask_token_init: str = doc("sprint: mask token init, normal (std 0.02, SPRINT's) or zeros", "normal")
@@ -160,8 +162,11 @@ class Route(Immutable):
             raise self.error(str(e)) from None
         if not isinstance(self.schedule, Schedule):
             raise self.error(f"schedule must be a mapping, got {self.schedule!r}")
-        for which, allowed in (("fusion", FUSIONS), ("mask_token_init", MASK_TOKEN_INITS),
-                               ("fusion_init", FUSION_INITS)):
+        if not isinstance(self.fusion, str) or not isinstance(self.fusion_options, Mapping):
+            raise self.error(f"fusion must be a restore strategy's name and fusion_options a mapping, got "
+                             f"{self.fusion!r} and {self.fusion_options!r}")
+        self._set(fusion_options=dict(self.fusion_options))
+        for which, allowed in (("mask_token_init", MASK_TOKEN_INITS), ("fusion_init", FUSION_INITS)):
             if getattr(self, which) not in allowed:
                 raise self.error(f"{which} must be one of {', '.join(allowed)}, got {getattr(self, which)!r}")
         problem = ratio_problem(self.path_drop_prob, "path_drop_prob", " (the fraction of training samples whose deep "
