@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAYERS = [
     ["tread_utils"],
     ["routing_module"],
-    ["backbones", "edm", "rectified_flow", "data"],
+    ["backbones", "tread_diffusers", "edm", "rectified_flow", "data"],
     ["dit", "evaluations"],
     ["generation"],
     ["training"],
