@@ -1,6 +1,6 @@
 """TREAD token routing (Krause et al., ICCV 2025): the selection rules, the primitives a model's block loop
 routes with (`select_kept_tokens` before a route's first block, `start_route`, `end_route` after its last;
-dit.DiT.forward, and the diffusers hooks of backbones/diffusers_tread.py) and `TokenRouter`, which says which
+dit.DiT.forward, and the diffusers hooks of tread_diffusers/tread.py) and `TokenRouter`, which says which
 routes a forward pass runs and at what ratio. A route itself (`Route`, its `Schedule`) is declared in
 tread_utils/route_spec.py, torch-free, and re-exported here.
 

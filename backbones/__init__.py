@@ -1,11 +1,23 @@
 """Block families beside DiT's attention block (`dit.py` builds every model and holds the registry):
 `ssm` (diffusion state-space blocks, "DiS"); `sprint`, the fusion module (mask token, 2C -> C projection) of a
-route with `fusion: sprint`; `diffusers_tread`, TREAD routes on diffusers transformers
-(`from backbones import apply_tread`). Here: what every block family shares, `modulate` (the adaLN
-conditioning) and `Mlp`."""
+route with `fusion: sprint`. Here: what every block family shares, `modulate` (the adaLN conditioning) and `Mlp`.
+TREAD on diffusers transformers is the package `tread_diffusers`."""
 import torch.nn as nn
 
-from backbones.diffusers_tread import apply_tread  # noqa: F401
+# User code imports `apply_tread` and the adapters' modules from here too (`from backbones import apply_tread`):
+# they come from tread_diffusers on first use, so `import dit`, which imports this package, loads none of them.
+ADAPTERS = {"apply_tread": "apply_tread", "diffusers_tread": "tread", "diffusers_families": "families",
+            "diffusers_image_families": "image_families", "diffusers_video_families": "video_families",
+            "diffusers_sequence_families": "sequence_families", "diffusers_masks": "masks",
+            "diffusers_compile": "compile"}
+
+
+def __getattr__(name):
+    if name not in ADAPTERS:
+        raise AttributeError(f"module 'backbones' has no attribute {name!r}")
+    import tread_diffusers
+
+    return getattr(tread_diffusers, ADAPTERS[name])
 
 
 def modulate(x, shift, scale):

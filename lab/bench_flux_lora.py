@@ -4,7 +4,7 @@ the attention projections (to_q, to_k, to_v, to_out.0), gradient checkpointing, 
 
 - `full` (a GPU): FLUX.1-dev's transformer at its own sizes (19 + 38 blocks, width 3072, guidance embedding;
   11.9 B parameters, random weights, bf16, built on the GPU), 1024 x 1024 images (4,096 image tokens) and 512
-  text tokens; eager at each batch size, then with each block compiled (backbones/diffusers_compile.py, static
+  text tokens; eager at each batch size, then with each block compiled (tread_diffusers/compile.py, static
   shapes) at the first.
 - `proxy` (a CPU): the same depth at width 64, 16 image and 16 text tokens, float32: the arithmetic is tiny, so
   a step's time is what the host spends (Python, autograd, hooks), and routed / unrouted is the host cost of
@@ -15,8 +15,8 @@ ends synchronised) and the FLOP bound from torch's FLOP counter, unrouted / rout
 """
 import torch
 
-from backbones.diffusers_compile import compile_blocks
 from tools.diffusers_toy import pack, random_flux, routed_vs_unrouted
+from tread_diffusers import compile_blocks
 
 DUAL, SINGLE = 19, 38  # FLUX.1-dev's blocks
 SIZES = {"full": dict(width=3072, tokens_side=64, text=512, text_dim=4096, pooled=768, channels=16),

@@ -281,7 +281,7 @@ def reference_forward(name, model, inputs, keep, start, end, n):
     return x
 
 
-# -- Z-Image, Lumina2, ErnieImage, Krea2 (backbones/diffusers_image_families.py) ---------------------------------
+# -- Z-Image, Lumina2, ErnieImage, Krea2 (tread_diffusers/image_families.py) ---------------------------------
 def zimage(frames=1):
     """Z-Image with captions of 5 and 40 tokens (padded to 32 and 64: an attention mask) and 4 x 6 image tokens
     (padded to 32)."""
@@ -344,7 +344,7 @@ JOINT_ROPE += ("krea2",)
 TEXT_FIRST = ("krea2",)  # the text leads the image in every block's hidden_states
 
 
-# -- diffusers_video_families ---------------------------------------------------------------------------------
+# -- tread_diffusers/video_families.py ------------------------------------------------------------------------
 def cosmos(frames=2):
     """Cosmos (text by cross-attention, a text mask); random learnable positions (diffusers starts them at zero)."""
     from diffusers import CosmosTransformer3DModel
@@ -447,7 +447,7 @@ ROPE_ATTENTION = {"kandinsky": ("self_attention", "rotary_emb"),  # where a bloc
 LORA_TARGETS = {"kandinsky": ["to_query", "to_key", "to_value"]}
 
 
-# -- backbones/diffusers_sequence_families.py -----------------------------------------------------------------
+# -- tread_diffusers/sequence_families.py -----------------------------------------------------------------
 def ernie():
     """Ernie (sequence-first blocks), the second sample's last two text tokens padding; its modulation and output
     layer, zero at diffusers' init, made random so that every block changes the tokens and every token a loss."""

@@ -10,11 +10,11 @@ are sequence-first ([S, B, D]): the block lengths are read on axis 0.
 """
 import torch
 
-from backbones.diffusers_tread import apply_tread
 from lab.simpletuner_families import FAMILIES, REPLAY, source_file
 from lab.simpletuner_models import (B, LAYOUTS, build_pair, difference, import_simpletuner, recorded_selection,
                                     replaying_router)
 from lab.simpletuner_models import run as harness_run
+from tread_diffusers import apply_tread
 
 SEQUENCE_FAMILIES = ("ernie", "minimax")  # the rows of lab/simpletuner_families.FAMILIES this module compares
 TOKEN_AXIS = {"ernie": 0, "minimax": 1}  # the token axis of the blocks' sequence

@@ -1,4 +1,4 @@
-"""SimpleTuner's mask-image tokenisation, run, beside `backbones.diffusers_masks`, token by token.
+"""SimpleTuner's mask-image tokenisation, run, beside `tread_diffusers.masks`, token by token.
 
 SimpleTuner turns a conditioning mask image (its `conditioning_pixel_values`, [-1, 1], for `loss_mask_type` mask or
 segmentation) into TREAD force-keep tokens inline in its model classes' `model_predict`: FLUX and Chroma (the
@@ -15,8 +15,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from backbones.diffusers_masks import mask_to_tokens, read_mask
 from lab.simpletuner_models import import_simpletuner
+from tread_diffusers.masks import mask_to_tokens, read_mask
 
 B = 2
 

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-from backbones import diffusers_tread
-from backbones.diffusers_tread import apply_tread
 from lab.simpletuner_families import B, CAUSES, FAMILIES, LEAVES, REPLAY, image_first, source_file
 from lab.diffusers_tiny import TOKENS
+from tread_diffusers import apply_tread, tread
 
 # Modules SimpleTuner's transformer files import at the top but never call on the path run here (SDPA attention,
 # no FlashAttention-3 processor); they are stubbed only when not installed, and a stub raises if it is ever used.
@@ -75,16 +74,16 @@ def build_pair(name: str, module, seed: int = 0):
 def recorded_selection():
     """Every kept-token choice apply_tread makes, in order, with the count it chose from (the list fills while the
     context is open)."""
-    chosen, select = [], diffusers_tread.select_kept_tokens
+    chosen, select = [], tread.select_kept_tokens
 
     def record(x, *args, **kwargs):
         chosen.append((select(x, *args, **kwargs), x.shape[1]))  # (kept indices, tokens chosen from)
         return chosen[-1][0]
-    diffusers_tread.select_kept_tokens = record
+    tread.select_kept_tokens = record
     try:
         yield chosen
     finally:
-        diffusers_tread.select_kept_tokens = select
+        tread.select_kept_tokens = select
 
 
 def replaying_router(module, chosen: list, counts: list, replay=None):
@@ -291,8 +290,8 @@ def compare_configs(code_dir) -> list:
     """Per config string: our routes_from_config's blocks (or its refusal) and the blocks SimpleTuner's FLUX routes."""
     import ast
 
-    from backbones.diffusers_tread import routes_from_config
     from routing_module import RouteError
+    from tread_diffusers.tread import routes_from_config
 
     module = import_simpletuner(code_dir, "flux/transformer")
     ours, theirs, inputs, _ = build_pair("flux", module)

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from backbones.diffusers_tread import TreadHandle
 from lab.simpletuner_families import FAMILIES, NOT_COMPARED, WHY_IT_DIFFERS, WHY_IT_FAILS
 from lab.simpletuner_joint import SEQUENCE_FAMILIES, compare_sequence_family
 from lab.simpletuner_masks import MASK_CODE, OTHER_RULE, compare_masks
 from lab.simpletuner_models import STUBS, compare_configs, compare_family
 from routing_module import num_kept
+from tread_diffusers.tread import TreadHandle
 from tread_utils.errors import UserError, report_user_errors
 
 ROUTER_FILES = ("simpletuner/helpers/training/tread.py", "helpers/training/tread.py")

@@ -1,11 +1,11 @@
-"""Attention masks while routing (backbones/diffusers_families.py): FLUX's joint attention mask over text and
+"""Attention masks while routing (tread_diffusers/families.py): FLUX's joint attention mask over text and
 image and PixArt's image mask reach each routed block as their text part and the kept image tokens' part."""
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from backbones import apply_tread  # noqa: E402
 from lab.diffusers_tiny import B, blocks_of, build  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 TEXT = 5

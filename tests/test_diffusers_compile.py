@@ -7,8 +7,8 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 pytest.importorskip("diffusers")
-from backbones import apply_tread  # noqa: E402
 from lab.diffusers_tiny import build  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 FAMILIES = ("flux", "sd3", "pixart", "wan", "auraflow", "flux2", "chroma", "qwen", "ltx", "hunyuan", "zimage", "krea2",
@@ -67,7 +67,7 @@ def test_compiled_blocks_route_as_eager_with_a_few_shared_graphs():
     their graphs (5 for 9 blocks, as many at any depth: per class, full and kept length, and the first
     single-stream block's input, a view of the joint sequence, has strides of its own), and a second call compiles
     nothing more."""
-    from backbones.diffusers_compile import compile_blocks
+    from tread_diffusers import compile_blocks
 
     def steps(model, handle):
         grads = []

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from backbones import apply_tread  # noqa: E402
-from backbones.diffusers_tread import routes_from_config  # noqa: E402
 from lab.diffusers_tiny import build  # noqa: E402
 from routing_module import RouteError, num_kept, resolve_routes  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
+from tread_diffusers.tread import routes_from_config  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 CLI = '{"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}'  # --tread_config '...'

@@ -1,4 +1,4 @@
-"""The checks of backbones/diffusers_image_families.py's families that tests/test_diffusers_tread.py's shared ones
+"""The checks of tread_diffusers/image_families.py's families that tests/test_diffusers_tread.py's shared ones
 do not reach: their per-sample RoPE tables and attention masks in the routed blocks, and the variants refused."""
 import inspect
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from backbones import apply_tread  # noqa: E402
-from backbones.diffusers_image_families import ZIMAGE_PATCH  # noqa: E402
 from lab.diffusers_tiny import B, blocks_of, build  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
+from tread_diffusers.image_families import ZIMAGE_PATCH  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}

@@ -8,9 +8,9 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 pytest.importorskip("diffusers")
-from backbones import apply_tread  # noqa: E402
-from backbones.diffusers_families import check_reference_ids  # noqa: E402
 from lab.diffusers_tiny import B, blocks_of, build, reference_forward  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
+from tread_diffusers.families import check_reference_ids  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 N, R = 24, 6  # the target's 4 x 6 tokens, the reference's 2 x 3

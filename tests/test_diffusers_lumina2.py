@@ -16,9 +16,9 @@ from torch._dynamo.utils import counters
 pytest.importorskip("diffusers")
 import test_diffusers_tread as shared  # noqa: E402
 import test_diffusers_versions as versions  # noqa: E402
-from backbones import apply_tread  # noqa: E402
 from lab import bench_diffusers  # noqa: E402
 from lab.diffusers_tiny import B, bound, build  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}

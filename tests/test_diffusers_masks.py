@@ -1,13 +1,13 @@
-"""Masks as trainers hold them (backbones/diffusers_masks.py): SimpleTuner's [-1, 1] conditioning images and
+"""Masks as trainers hold them (tread_diffusers/masks.py): SimpleTuner's [-1, 1] conditioning images and
 [0, 1] ones, one or three channels, torch or numpy, tokenised by the "half" or "any" rule; the masked loss."""
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from backbones import apply_tread  # noqa: E402
-from backbones.diffusers_masks import mask_to_tokens, masked_loss, read_mask  # noqa: E402
 from lab.diffusers_tiny import B, build  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
+from tread_diffusers.masks import mask_to_tokens, masked_loss, read_mask  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 GRID = (4, 4)  # SD3's tiny model: an 8 x 8 latent in 2 x 2 patches

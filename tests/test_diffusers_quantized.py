@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
-from backbones import apply_tread  # noqa: E402
 from lab.diffusers_tiny import build  # noqa: E402
 from lab.bench_diffusers import quantized_lora  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
 
 
 def base_weights(model) -> dict:

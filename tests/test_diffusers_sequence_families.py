@@ -12,8 +12,8 @@ pytest.importorskip("diffusers")
 import test_diffusers_compile as compile_checks  # noqa: E402
 import test_diffusers_tread as shared  # noqa: E402
 import test_diffusers_versions as versions  # noqa: E402
-from backbones import apply_tread  # noqa: E402
 from lab.diffusers_tiny import B, blocks_of, bound, build, minimax_layout  # noqa: E402
+from tread_diffusers import apply_tread  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 NAMES = ("ernie", "minimax")
@@ -241,7 +241,7 @@ def test_minimax_conditioning_rows_stop_a_compiled_forward():
 def test_minimax_modalities_are_diffusers():
     from diffusers.models.transformers.transformer_minimax_h3 import MINIMAX_H3_MODALITY_NUM
 
-    from backbones.diffusers_sequence_families import MODALITIES
+    from tread_diffusers.sequence_families import MODALITIES
 
     assert MODALITIES == MINIMAX_H3_MODALITY_NUM
 

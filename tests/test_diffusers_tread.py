@@ -1,4 +1,4 @@
-"""TREAD on diffusers transformers (backbones/diffusers_tread.py): one set of checks per family, on tiny
+"""TREAD on diffusers transformers (tread_diffusers/tread.py): one set of checks per family, on tiny
 random models built offline, each routed forward compared with a reference gathered and scattered here."""
 import functools
 import math
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from backbones import apply_tread  # noqa: E402
-from backbones.diffusers_tread import MISSING_ROUTES, masked_loss  # noqa: E402
 from lab.diffusers_tiny import (B, CHANNELS_LAST, IMAGE_FIRST, JOINT_ROPE, LORA_TARGETS, PACKED,  # noqa: E402
                            ROPE_ATTENTION, TOKENS, VIDEO_FAMILIES, blocks_of, bound, build, reference_forward)
+from tread_diffusers import apply_tread  # noqa: E402
+from tread_diffusers.tread import MISSING_ROUTES, masked_loss  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan",

@@ -1,7 +1,10 @@
-"""The house rules of the layout: six root modules, no import cycle, imports that only point down."""
+"""The house rules of the layout: six root modules, no import cycle, imports that only point down, and a core
+that loads none of the diffusers adapters."""
+import subprocess
+import sys
 import textwrap
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 from tools import import_layers
 
 ROOT_MODULES = {"train.py", "sample.py", "fid.py", "dit.py", "routing_module.py"}
@@ -43,7 +46,8 @@ def test_the_install_holds_the_product_not_the_lab():
 
     exclude = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["exclude"]
     installed = {name.split(".")[0] for name in find_packages(str(REPO), exclude=exclude)}
-    assert "lab" not in installed and {"training", "generation", "backbones", "edm", "tools"} <= installed
+    assert "lab" not in installed
+    assert {"training", "generation", "backbones", "tread_diffusers", "edm", "tools"} <= installed
 
 
 def test_analysis_catches_a_cycle_between_units_that_no_module_cycle_shows(tmp_path):
@@ -56,3 +60,39 @@ def test_analysis_catches_a_cycle_between_units_that_no_module_cycle_shows(tmp_p
     graph, _, problems = import_layers.analyse(tmp_path)
     assert import_layers.find_cycle(graph) is None  # no module cycle ...
     assert problems == ["import cycle between units: data -> edm -> data"], problems  # ... a unit cycle
+
+
+def test_importing_the_core_loads_no_diffusers_adapter():
+    """`import dit` and the entry points load neither the diffusers adapters (tread_diffusers, for the users who
+    route a diffusers transformer) nor diffusers itself: run, what the PERIPHERY check reads from the source."""
+    code = ("import sys, dit, fid, sample, train; print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('diffusers', 'tread_diffusers') or m.startswith('backbones.diffusers')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+
+
+def test_analysis_catches_the_core_reaching_the_periphery(tmp_path):
+    """A deferred import counts; a module-level `__getattr__` offering a periphery name to its importers does not."""
+    for name, text in {"dit.py": "import backbones\nimport backbones.ssm\n",
+                       "backbones/__init__.py": "def __getattr__(name):\n    import tread_diffusers\n",
+                       "backbones/ssm.py": "def build():\n    from tread_diffusers.tread import apply_tread\n",
+                       "tread_diffusers/__init__.py": "from tread_diffusers import tread\n",
+                       "tread_diffusers/tread.py": ""}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    _, _, problems = import_layers.analyse(tmp_path)
+    assert problems == ["dit reaches tread_diffusers.tread (dit -> backbones.ssm -> tread_diffusers.tread): "
+                        "CORE imports no PERIPHERY unit"], problems
+
+
+def test_the_adapters_keep_their_backbones_names():
+    """User code that imports the adapters from `backbones` gets tread_diffusers' objects."""
+    import backbones
+    import tread_diffusers
+    from backbones import apply_tread, diffusers_compile, diffusers_masks
+
+    assert apply_tread is tread_diffusers.apply_tread and diffusers_masks is tread_diffusers.masks
+    assert diffusers_compile.compile_blocks is tread_diffusers.compile_blocks
+    assert not hasattr(backbones, "diffusers_unknown")

@@ -275,9 +275,9 @@ def diffusers_bench_rows() -> dict:
 
 def test_diffusers_table_is_the_benchmark_json():
     """The README's diffusers table: a row per family apply_tread supports, each from its committed bench record."""
-    from backbones.diffusers_families import FAMILIES
-    from backbones.diffusers_tread import apply_tread  # noqa: F401  (importing registers every family)
     from lab.bench_diffusers import ARCHS
+    from tread_diffusers.families import FAMILIES
+    from tread_diffusers.tread import apply_tread  # noqa: F401  (importing registers every family)
 
     assert {cls for _, cls in ARCHS.values()} == set(FAMILIES), "lab.bench_diffusers.ARCHS names every family"
     bench = diffusers_bench_rows()
@@ -414,7 +414,7 @@ def compile_check_passed(minor: str) -> float:
 
 
 def tested_diffusers() -> float:
-    from backbones.diffusers_tread import TESTED_DIFFUSERS
+    from tread_diffusers.tread import TESTED_DIFFUSERS
 
     assert len(TESTED_DIFFUSERS) == 1, "the README names one tested diffusers version"
     return float(TESTED_DIFFUSERS[0])

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from backbones.diffusers_tread import apply_tread
+from tread_diffusers import apply_tread
 
 CLASS_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from backbones.diffusers_tread import apply_tread
 from data.digits import load_digits_split
 from tools.diffusers_toy import FixedTextEncoder, flow_matching_loss, pack, random_flux, routed_vs_unrouted
+from tread_diffusers import apply_tread
 from tread_utils.cli import ArgumentParser
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.precision import avoid_faulting_attention

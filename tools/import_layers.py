@@ -1,5 +1,6 @@
 """Checks the project's import structure with `ast`: no import cycle between modules or between units
-(packages and root modules), and no unit importing one above it in `LAYERS`.
+(packages and root modules), no unit importing one above it in `LAYERS`, and no `CORE` module reaching a
+`PERIPHERY` unit.
 
     python -m tools.import_layers            # prints the package graph; exit 1 on a violation
 
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAYERS = [
     ["tread_utils"],
     ["routing_module"],
-    ["backbones", "edm", "rectified_flow", "data"],
+    ["backbones", "tread_diffusers", "edm", "rectified_flow", "data"],
     ["dit", "evaluations"],
     ["generation"],
     ["training"],
@@ -24,6 +25,11 @@ LAYERS = [
     ["lab"],
     ["tests"],
 ]
+# Adapters for other libraries' models, for the users who bring those models: no module that the CORE modules
+# import, directly or through others, deferred imports too, imports them. A module-level `__getattr__` (PEP 562)
+# runs only when an importer asks it for a name, so its imports count as that importer's, not the module's.
+PERIPHERY = ["tread_diffusers"]
+CORE = ["train", "sample", "fid", "dit"]
 SKIP_DIRS = {"docs", "configs", "scripts", "build"}
 
 
@@ -41,9 +47,12 @@ def project_modules(repo: Path = REPO) -> dict:
     return found
 
 
-def imports_of(path: Path, module: str, modules: dict) -> set:
-    """The project modules that `path` imports (the longest known prefix of each imported name)."""
+def imports_of(path: Path, module: str, modules: dict, lazy_attributes: bool = True) -> set:
+    """The project modules that `path` imports (the longest known prefix of each imported name); without those
+    of a module-level `__getattr__` when `lazy_attributes` is false."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    if not lazy_attributes:
+        tree.body = [n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name == "__getattr__")]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names = []
     for node in ast.walk(tree):
@@ -104,8 +113,28 @@ def find_cycle(graph: dict):
     return None
 
 
+def core_reaching_periphery(modules: dict) -> list:
+    """One line per way a CORE module reaches into the PERIPHERY: the chain of imports that gets there."""
+    graph = {m: imports_of(p, m, modules, lazy_attributes=False) for m, p in modules.items()}
+    found = []
+    for start in (m for m in CORE if m in graph):
+        chain, todo = {start: None}, [start]
+        while todo:
+            m = todo.pop()
+            for nxt in sorted(graph[m] - chain.keys()):
+                chain[nxt] = m
+                todo.append(nxt)
+        for m in sorted(m for m in chain if unit(m) in PERIPHERY and unit(chain[m]) not in PERIPHERY):
+            path = [m]
+            while chain[path[-1]] is not None:
+                path.append(chain[path[-1]])
+            found.append(f"{start} reaches {m} ({' -> '.join(reversed(path))}): CORE imports no PERIPHERY unit")
+    return found
+
+
 def analyse(repo: Path = REPO):
-    """(module graph, unit graph, problems): problems lists every cycle, unplaced unit and upward import."""
+    """(module graph, unit graph, problems): problems lists every cycle, unplaced unit, upward import and CORE
+    module reaching the PERIPHERY."""
     modules = project_modules(repo)
     graph = {m: imports_of(p, m, modules) for m, p in modules.items()}
     units = defaultdict(set)
@@ -134,6 +163,7 @@ def analyse(repo: Path = REPO):
     cycle = find_cycle(units)
     if cycle:
         problems.append("import cycle between units: " + " -> ".join(cycle))
+    problems += core_reaching_periphery(modules)
     return graph, dict(units), problems
 
 

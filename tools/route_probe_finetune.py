@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from scipy import stats
 
-from backbones.diffusers_tread import apply_tread
 from data.digits import load_digits_split
 from evaluations.digits_classifier import load_digits_classifier
 from tools.diffusers_toy import FixedTextEncoder, flow_matching_loss, pack, random_flux, step_flops
 from tools.finetune_lora import add_lora, eval_loss
 from tools.route_probe_samples import class_reference, real_digits, sample_digits, sample_labels, score
+from tread_diffusers import apply_tread
 from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.errors import UserError, report_user_errors
 

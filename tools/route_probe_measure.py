@@ -17,8 +17,6 @@ from omegaconf import OmegaConf
 from scipy import stats
 from torch.utils.flop_counter import FlopCounterMode
 
-from backbones.diffusers_families import family_of
-from backbones.diffusers_tread import apply_tread, bound_kwargs, positional_names
 from data import build_dataset
 from dit import get_model
 from routing_module import TokenRouter, as_routes
@@ -26,6 +24,8 @@ from tools.diffusers_toy import flow_matching_loss
 from tools.route_probe_trained import from_export, from_run_config, unknown
 from training.checkpoint import build_objective, load_model_state, read_checkpoint, resolve_checkpoint
 from training.flops import activation_memory_fraction, tokens_per_block, training_step_flops
+from tread_diffusers.families import family_of
+from tread_diffusers.tread import apply_tread, bound_kwargs, positional_names
 from tread_utils.errors import UserError
 from tread_utils.hub import is_exported_folder
 

@@ -1,6 +1,6 @@
 """Regional compilation of a diffusers transformer routed by TREAD: `compile_blocks(transformer)`.
 
-Each block's `forward` is compiled on its own; the module hooks that route tokens (backbones/diffusers_tread.py)
+Each block's `forward` is compiled on its own; the module hooks that route tokens (tread_diffusers/tread.py)
 stay eager around it. Blocks of one class share their graphs (torch.compile takes their parameters as inputs),
 so a FLUX compiles a few graphs whatever its depth: per block class, one for the full sequence and one for the
 kept tokens (the ratio is fixed, so the shapes are). The model-level forward (embedders, the loop) stays eager.
@@ -14,7 +14,7 @@ block, its inner blocks, its last one) and take longer to compile.
 """
 import torch
 
-from backbones.diffusers_families import family_of
+from tread_diffusers.families import family_of
 
 
 def compile_blocks(transformer, **options) -> int:

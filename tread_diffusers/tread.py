@@ -9,7 +9,7 @@
 takes a subset of the image tokens out before block `start_layer_idx` and puts them back, unchanged, after
 block `end_layer_idx` (inclusive); negative indices count from the last block (-1 = the last). The routes are
 checked by `routing_module.resolve_routes`, the validation of `model.params.routes`, against the number of
-blocks (for two-list families, both lists: backbones/diffusers_families.py says how they are numbered).
+blocks (for two-list families, both lists: tread_diffusers/families.py says how they are numbered).
 
 The kept tokens are chosen by `routing_module.select_kept_tokens` (a rule of `routing_module.SELECTIONS`),
 with the mask (below) as its `force_keep`; routing runs only while the transformer is in training mode and
@@ -18,7 +18,7 @@ gradients are enabled, so evaluation, sampling and `torch.no_grad()` see the unc
 Mask: `handle.set_mask(mask)`, or `tread_mask=mask` as a keyword of the transformer's forward, marks image
 tokens that are never routed (SimpleTuner's force-keep for masked-loss training): a [B, N] token mask, or a
 mask image ([B, H, W]; [B, F, H, W] for video) in [0, 1] or SimpleTuner's [-1, 1] made into tokens by the
-handle's `mask_rule` (backbones/diffusers_masks.py has the forms and rules). `masked_loss` weights a loss by the same mask.
+handle's `mask_rule` (tread_diffusers/masks.py has the forms and rules). `masked_loss` weights a loss by the same mask.
 
 Gradient checkpointing (`transformer.enable_gradient_checkpointing()`): diffusers runs each block through
 `transformer._gradient_checkpointing_func`, and the hooks run inside it, again when backward recomputes
@@ -34,13 +34,13 @@ from typing import Optional
 
 import torch
 
-from backbones.diffusers_families import (RELIES_ON, Family, SampleLead, check_reference_ids, family_of, no_tail,
-                                          splice)
-from backbones.diffusers_image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
-from backbones.diffusers_masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
-from backbones.diffusers_sequence_families import SEQUENCE_FAMILIES  # noqa: F401  (importing registers them)
-from backbones.diffusers_video_families import VIDEO_FAMILIES  # noqa: F401  (importing registers them)
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
+from tread_diffusers.families import (RELIES_ON, Family, SampleLead, check_reference_ids, family_of, no_tail,
+                                      splice)
+from tread_diffusers.image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
+from tread_diffusers.masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
+from tread_diffusers.sequence_families import SEQUENCE_FAMILIES  # noqa: F401  (importing registers them)
+from tread_diffusers.video_families import VIDEO_FAMILIES  # noqa: F401  (importing registers them)
 from tread_utils.errors import UserError
 
 TESTED_DIFFUSERS = ("0.42",)  # major.minor versions whose forward loops were run in the tests
@@ -364,7 +364,7 @@ def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: st
     HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5, LTX-2, Lumina2, Ernie or MiniMax H3 transformer;
     returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
-    `mask_rule` makes a mask image into tokens ("half" or "any", backbones/diffusers_masks.py); `kept_count`
+    `mask_rule` makes a mask image into tokens ("half" or "any", tread_diffusers/masks.py); `kept_count`
     is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""
     if mask_rule not in MASK_RULES:
         raise UserError(f"apply_tread mask_rule={mask_rule!r}; choose one of {', '.join(MASK_RULES)}")

@@ -1,5 +1,5 @@
 """Two more diffusers families for TREAD, whose blocks run one sequence of every modality, registered into the
-tables of backbones/diffusers_families.py (whose docstring says what a Family holds).
+tables of tread_diffusers/families.py (whose docstring says what a Family holds).
 
 - Ernie (`ErnieImageTransformer2DModel`, `layers`): sequence-first. Every block takes `x` [S, B, D], the image
   tokens first (N = H/p x W/p), then the text padded to the batch's longest (`text_lens` says how much is real);
@@ -21,8 +21,8 @@ tables of backbones/diffusers_families.py (whose docstring says what a Family ho
 """
 import torch
 
-from backbones.diffusers_families import FAMILIES, RELIES_ON, Family, SampleRope, _latent_grid, gather_attention_mask
-from backbones.diffusers_video_families import _token_rows
+from tread_diffusers.families import FAMILIES, RELIES_ON, Family, SampleRope, _latent_grid, gather_attention_mask
+from tread_diffusers.video_families import _token_rows
 from tread_utils.errors import UserError
 
 

@@ -1,5 +1,5 @@
-"""More diffusers image families for TREAD, registered into the table of backbones/diffusers_families.py (whose
-docstring says what a family entry holds); the hooks in backbones/diffusers_tread.py read them from there.
+"""More diffusers image families for TREAD, registered into the table of tread_diffusers/families.py (whose
+docstring says what a family entry holds); the hooks in tread_diffusers/tread.py read them from there.
 
 - Z-Image (`layers`; the refiners `noise_refiner` and `context_refiner` run before the route, whole): a single
   stream whose block argument is `x`, per sample [image, padding to a multiple of 32, caption tokens padded to a
@@ -25,8 +25,8 @@ docstring says what a family entry holds); the hooks in backbones/diffusers_trea
 """
 import torch
 
-from backbones.diffusers_families import (FAMILIES, RELIES_ON, Family, SampleLead, _joint_narrow, _latent_grid,
-                                          gather_attention_mask, splice)
+from tread_diffusers.families import (FAMILIES, RELIES_ON, Family, SampleLead, _joint_narrow, _latent_grid,
+                                      gather_attention_mask, splice)
 from tread_utils.errors import UserError
 
 ZIMAGE_PATCH = 2, 1  # ZImageTransformer2DModel.forward's default patch_size and f_patch_size

@@ -1,4 +1,4 @@
-"""What TREAD needs to know about each diffusers transformer family (backbones/diffusers_tread.py routes them).
+"""What TREAD needs to know about each diffusers transformer family (tread_diffusers/tread.py routes them).
 
 For every family: the block lists in route order, where a block's output holds the image tokens, how a
 block's other per-token inputs (RoPE tables, per-token timestep embeddings) are cut to the kept tokens, and the

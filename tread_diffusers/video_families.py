@@ -1,4 +1,4 @@
-"""More diffusers transformer families for TREAD, registered into backbones/diffusers_families.py's tables
+"""More diffusers transformer families for TREAD, registered into tread_diffusers/families.py's tables
 (FAMILIES, RELIES_ON), whose docstring says what a Family holds and describes the families before these.
 
 - Cosmos (`transformer_blocks`): video tokens only, [B, F * H * W, D] after the (t, h, w) patches; the text
@@ -26,8 +26,8 @@ from typing import Tuple
 
 import torch
 
-from backbones.diffusers_families import (FAMILIES, RELIES_ON, Family, SampleRope, _latent_grid, _ltx_grid, _rows,
-                                          gather_attention_mask)
+from tread_diffusers.families import (FAMILIES, RELIES_ON, Family, SampleRope, _latent_grid, _ltx_grid, _rows,
+                                      gather_attention_mask)
 
 
 def _cosmos_narrow(kw: dict, keep: torch.Tensor) -> None:
