@@ -86,11 +86,13 @@ def test_train_compile_scope_blocks_logs_three_graphs_and_the_uncompiled_losses(
     """train.compile_scope=blocks through the training loop: eight blocks, three graphs (full sequence, routed,
     float32 block after the route), no recompile after the first step, no graph break, and the losses of the same
     run uncompiled."""
-    monkeypatch.setattr(torch._dynamo.config, "debug_backend_override", ">=0:eager")  # the trainer's inductor
     eager = train_run(tmp_path, "eager", "train.compile=false")
     torch._dynamo.reset()
     counters.clear()
-    blocks = train_run(tmp_path, "blocks", "train.compile=true", "train.compile_scope=blocks")
+    # the trainer's inductor as the eager backend; config.patch, not monkeypatch: undoing a monkeypatch deletes
+    # the config entry, and every later compile in the process fails
+    with torch._dynamo.config.patch(debug_backend_override=">=0:eager"):
+        blocks = train_run(tmp_path, "blocks", "train.compile=true", "train.compile_scope=blocks")
     assert [(r["compiled_graphs"], r["recompiles_after_first_step"]) for r in blocks] == [(3, 0)] * 3
     assert not counters["graph_break"]
     assert all("compiled_graphs" not in r for r in eager)

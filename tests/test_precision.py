@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 import sample
 from conftest import REPO, TINY_MODEL, TINY_ROUTE, assert_one_line_error, run_script, tiny_overrides
 from lab import bench
+from tools import finetune_lora
 from training import loop
 from training.checkpoint import load_checkpoint
 from training.loop import save_snapshot, setup
@@ -106,12 +107,12 @@ def test_cudnn_attention_fault_decision(torch_version, cudnn, capability, faults
 
 @pytest.fixture
 def hopper_with_torch_2_11(monkeypatch):
-    """torch as it reads an H100 with torch 2.11 and cuDNN 9.13, cuDNN's attention on."""
+    """The attention decision reading an H100 with torch 2.11 and cuDNN 9.13, cuDNN's attention on. (torch's own
+    version and CUDA state stay as they are: the modules a test imports read them.)"""
+    from tread_utils import precision
+
     enabled = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
-    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91300)
+    monkeypatch.setattr(precision, "attention_stack", lambda: ("2.11.0+cu130", 91300, (9, 0)))
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: not enabled)
     monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: enabled.append(on))
     return enabled
@@ -136,8 +137,6 @@ def test_train_py_decides_the_attention_backend_from_its_config(tmp_path, monkey
 
 
 def test_finetune_lora_decides_the_attention_backend(hopper_with_torch_2_11, monkeypatch):
-    from tools import finetune_lora
-
     monkeypatch.setattr(finetune_lora, "build", lambda args, device: (_ for _ in ()).throw(SystemExit(0)))
     for argv, expected in (([], [False]), (["--keep-cudnn-attention"], [])):
         hopper_with_torch_2_11.clear()

@@ -43,16 +43,22 @@ def cudnn_attention_faults(torch_version: str, cudnn_version, capability) -> boo
     return (cudnn_version or 0) < CUDNN_ATTENTION_FIXED or release >= TORCH_NAN_GRAD_FROM
 
 
+def attention_stack():
+    """(torch version, cuDNN version, compute capability) of this machine's GPU, or None without one: what the
+    attention decision reads."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.__version__, torch.backends.cudnn.version(), torch.cuda.get_device_capability()
+
+
 def avoid_faulting_attention(keep_cudnn: bool, switch: str):
     """Turn cuDNN's attention off for scaled_dot_product_attention where `cudnn_attention_faults` (torch then
     uses flash or memory-efficient attention, the same computation); returns the one line to print, or None
     where nothing changed. `switch` names the setting that keeps cuDNN's attention."""
-    if keep_cudnn or not torch.cuda.is_available() or not torch.backends.cuda.cudnn_sdp_enabled():
-        return None
-    capability = torch.cuda.get_device_capability()
-    if not cudnn_attention_faults(torch.__version__, torch.backends.cudnn.version(), capability):
+    stack = None if keep_cudnn else attention_stack()
+    if stack is None or not torch.backends.cuda.cudnn_sdp_enabled() or not cudnn_attention_faults(*stack):
         return None
     torch.backends.cuda.enable_cudnn_sdp(False)
-    return (f"attention: cuDNN's fused attention is off (torch {torch.__version__}, cuDNN "
-            f"{torch.backends.cudnn.version()}, sm{capability[0]}{capability[1]}: its backward is known to fault "
-            f"there); flash / memory-efficient attention instead. {switch} keeps it")
+    version, cudnn, (major, minor) = stack
+    return (f"attention: cuDNN's fused attention is off (torch {version}, cuDNN {cudnn}, sm{major}{minor}: its "
+            f"backward is known to fault there); flash / memory-efficient attention instead. {switch} keeps it")
