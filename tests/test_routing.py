@@ -239,7 +239,7 @@ def test_force_keep_tokens_are_never_skipped():
 
 
 def test_route_selection_validation():
-    with pytest.raises(RouteError, match="selection must be one of random, importance, got 'norm'"):
+    with pytest.raises(RouteError, match="selection must be one of random, importance.*, got 'norm'"):
         resolve_routes([dict(route(2, 8), selection="norm")], 12)
     with pytest.raises(RouteError, match="importance_mix"):
         resolve_routes([dict(route(2, 8), selection="importance", importance_mix=1.5)], 12)

@@ -70,7 +70,7 @@ def test_a_rules_options_are_checked_against_its_signature(rule):
                              ({"weight": True}, "selection option weight must be float, got True")):
         with pytest.raises(RouteError, match=message):
             resolve_routes([dict(base, options=options)], 12)
-    with pytest.raises(RouteError, match="selection must be one of random, importance, by_position, got 'by_pos'"):
+    with pytest.raises(RouteError, match="selection must be one of random, importance, .*by_position.*, got 'by_pos'"):
         resolve_routes([dict(base, selection="by_pos")], 12)
     with pytest.raises(RouteError, match="selection random has no option 'importance_mix'"):
         resolve_routes([dict(base, selection="random", importance_mix=0.5)], 12)  # not silently ignored
