@@ -20,19 +20,20 @@ from typing import Optional
 
 import torch
 
-SCOPES = ("model", "blocks")
-
-
-def compile_backbone(model: torch.nn.Module, scope: str = "model", **options) -> torch.nn.Module:
-    """What the denoiser calls: the compiled model (`model`), or `model` itself with each of its blocks compiled
-    in place (`blocks`; the state dict keeps its keys). `options`: torch.compile's (dynamic, backend, mode)."""
-    if scope == "model":
-        return torch.compile(model, **options)
-    if scope != "blocks":
-        raise ValueError(f"compile scope {scope!r}: one of {', '.join(SCOPES)}")
+def compile_blocks(model: torch.nn.Module, **options) -> torch.nn.Module:
     for block in model.blocks:
         block.compile(**options)
     return model
+
+
+# train.compile_scope -> how: what the denoiser calls, the compiled model (`model`) or `model` itself with each of
+# its blocks compiled in place (`blocks`; the state dict keeps its keys); the config's rule reads the names here
+SCOPES = {"model": torch.compile, "blocks": compile_blocks}
+
+
+def compile_backbone(model: torch.nn.Module, scope: str = "model", **options) -> torch.nn.Module:
+    """`model` compiled in `scope` (a name of SCOPES); `options`: torch.compile's (dynamic, backend, mode)."""
+    return SCOPES[scope](model, **options)
 
 
 def dynamo_counters():
