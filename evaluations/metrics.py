@@ -159,33 +159,27 @@ def _split_score(part: np.ndarray) -> float:
     return np.exp(kl.mean())
 
 
-def _check_split_size(split_size: int):
-    if split_size < 1:
-        raise ValueError(f"split_size must be >= 1, got {split_size}")
-
-
 def inception_score(logits, split_size: int = 5000) -> float:
     """Mean over consecutive splits of exp(mean_i KL(p_i || mean_j p_j)), p = softmax(logits)."""
     if not torch.is_tensor(logits):
         logits = np.asarray(logits)
     if logits.ndim != 2 or len(logits) == 0:
         raise ValueError(f"logits must be a non-empty [N, C] array, got shape {tuple(logits.shape)}")
-    _check_split_size(split_size)
-    # float64 one split at a time: 40 MB, not 400 MB, at 50K
-    scores = [_split_score(_host_rows(logits, start, start + split_size).astype(np.float64))
-              for start in range(0, len(logits), split_size)]
-    return float(np.mean(scores))
+    scores = InceptionScoreSplits(split_size, total=len(logits))  # float64 one split at a time: 40 MB at 50K
+    for start in range(0, len(logits), split_size):
+        scores.update(_host_rows(logits, start, start + split_size))
+    return scores.result()
 
 
 class InceptionScoreSplits:
-    """`inception_score` of logits that arrive in batches and are not kept: the rows of the current split are
-    gathered in a float64 buffer (the float64 copy `inception_score` makes of a split) and scored as soon as
-    the split is complete, so the arithmetic, and the result, are `inception_score`'s, with one split in
-    memory instead of all the logits. ``total``: how many rows will come, if known (sizes the last split's
-    buffer; more rows than that are refused)."""
+    """The Inception Score of logits that arrive in batches and are not kept (`inception_score` feeds it a split at
+    a time): the rows of the current split are gathered in a float64 buffer and scored as soon as the split is
+    complete, so one split is in memory and the result does not depend on how the rows were batched. ``total``:
+    how many rows will come, if known (sizes the last split's buffer; more rows than that are refused)."""
 
     def __init__(self, split_size: int = 5000, total: int | None = None):
-        _check_split_size(split_size)
+        if split_size < 1:
+            raise ValueError(f"split_size must be >= 1, got {split_size}")
         self.split_size, self.total = split_size, total
         self.n, self.filled, self.buffer, self.scores = 0, 0, None, []
 
