@@ -8,8 +8,7 @@ import torch.nn as nn
 # they come from tread_diffusers on first use, so `import dit`, which imports this package, loads none of them.
 ADAPTERS = {"apply_tread": "apply_tread", "diffusers_tread": "tread", "diffusers_families": "families",
             "diffusers_image_families": "image_families", "diffusers_video_families": "video_families",
-            "diffusers_sequence_families": "sequence_families", "diffusers_masks": "masks",
-            "diffusers_compile": "compile"}
+            "diffusers_sequence_families": "sequence_families", "diffusers_masks": "masks"}
 
 
 def __getattr__(name):

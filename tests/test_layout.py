@@ -91,8 +91,8 @@ def test_the_adapters_keep_their_backbones_names():
     """User code that imports the adapters from `backbones` gets tread_diffusers' objects."""
     import backbones
     import tread_diffusers
-    from backbones import apply_tread, diffusers_compile, diffusers_masks
+    from backbones import apply_tread, diffusers_families, diffusers_masks
 
     assert apply_tread is tread_diffusers.apply_tread and diffusers_masks is tread_diffusers.masks
-    assert diffusers_compile.compile_blocks is tread_diffusers.compile_blocks
+    assert diffusers_families.FAMILIES is tread_diffusers.families.FAMILIES
     assert not hasattr(backbones, "diffusers_unknown")

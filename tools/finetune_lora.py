@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared CPU)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the batch draws (and of the random architecture's weights and noise)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the transformer trains (cuda or cpu)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the transformer trains")
     p.add_argument("--keep-cudnn-attention", action="store_true",
                    help="keep cuDNN's fused attention where its backward is known to fault (by default it is "
                         "turned off there, said in one line)")
@@ -126,8 +126,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.resolution % 2:
         raise UserError("--steps and --batch-size must be positive and --resolution even")
-    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
-        raise UserError(f"--device {args.device}: give cpu, or cuda on a machine with a CUDA GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: this machine has no CUDA GPU; give --device cpu")
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     lines = []
