@@ -548,3 +548,13 @@ def test_flux_host_cost_proxy_sentence_is_its_record():
     assert_close(routed, row["routed_step_s"] * 1000, "proxy routed step")
     assert_close(ratio, row["routed_step_s"] / row["unrouted_step_s"], "proxy routed / unrouted")
     assert float(ratio) <= 1.1
+
+
+def test_h100_command_seconds_are_their_summaries():
+    rows = table(PERFORMANCE, "| H100 command | seconds | rows |")
+    assert len(rows) == 2
+    for number, row in enumerate(rows, 1):
+        summary = (H100 / f"command{number}_summary.txt").read_text()
+        assert re.search(rf"in {row['seconds']} s$", summary, re.M), (row, summary)
+        for row_name, seconds in re.findall(r"(\w+) (\d+) s", row["rows"]):
+            assert f"{row_name}: rc 0 after {seconds} s" in summary, (row_name, seconds)
