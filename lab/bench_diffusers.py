@@ -278,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--lora-int8's library: optimum-quanto qint8 (in the lora extra) or torchao (in no extra)")
     p.add_argument("--flux-lora", choices=("full", "proxy"), default=None,
                    help="time the FLUX.1-dev LoRA step instead: full size (a GPU) or its host-cost proxy (a CPU)")
+    p.add_argument("--keep-cudnn-attention", action="store_true",
+                   help="--flux-lora: keep cuDNN's fused attention where the trainer turns it off")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                    help="--flux-lora: batch sizes (default: 1 2 full, 1 proxy)")
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,
@@ -303,7 +305,7 @@ def flux_lora(args) -> tuple:
     if args.flux_lora == "full" and not torch.cuda.is_available():
         raise UserError("--flux-lora full builds an 11.9 B-parameter transformer on a GPU; on a CPU run "
                         "--flux-lora proxy")
-    attention = avoid_faulting_attention(False, "(train.keep_cudnn_attention / --keep-cudnn-attention)")
+    attention = avoid_faulting_attention(args.keep_cudnn_attention, "--keep-cudnn-attention")  # as the trainer
     if attention:
         print(attention, flush=True)
     full = args.flux_lora == "full"

@@ -233,13 +233,14 @@ class TreadHandle:
         def hook(module, args, kwargs):
             record = _RECORD.get()
             lead, tail = self._span_of(kind, record)
-            image = None  # the image tokens, cut once: a recomputation must save what its forward saved
+            image = kw = None  # the image tokens, cut once: a recomputation must save what its forward saved
             if record is not None and "ctx" in record:  # backward recomputes a checkpointed block
                 ctx = record["ctx"]
             elif not self._on:
                 ctx = None
             elif is_start:
-                image = _image_of(self._batch_first(bound_kwargs(names, args, kwargs)[self.family.tokens]), lead, tail)
+                kw = bound_kwargs(names, args, kwargs)
+                image = _image_of(self._batch_first(kw[self.family.tokens]), lead, tail)
                 ctx = (self._checked(self._select(route, image)), image)
                 self._live[k], self.last_keep[k] = ctx, ctx[0]
             else:
@@ -249,7 +250,7 @@ class TreadHandle:
             if ctx is None:
                 return None
             keep = ctx[0]
-            kw = bound_kwargs(names, args, kwargs)
+            kw = bound_kwargs(names, args, kwargs) if kw is None else kw
             if is_start:
                 x = self._batch_first(kw[self.family.tokens])
                 image = _image_of(x, lead, tail) if image is None else image
