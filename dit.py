@@ -210,10 +210,10 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, h * p, w * p)
 
     def run_block(self, block, x, c, fp32: bool = False, positions=None):
-        """One block, recomputed in the backward pass under grad_checkpointing. `fp32`: it follows a route that
-        dropped tokens, and with fp32_after_route runs outside autocast, as the official code does (it sees tokens
-        from two depths at once). `positions`: the tokens' grid positions, for a block that takes them."""
-        if fp32 and self.router.fp32_after_route and autocast_on(x.device.type):
+        """One block, recomputed in the backward pass under grad_checkpointing. `fp32`: run outside autocast (the
+        block after a route, RoutingPass.fp32). `positions`: the tokens' grid positions, for a block that takes
+        them."""
+        if fp32 and autocast_on(x.device.type):
             with torch.autocast(device_type=x.device.type, enabled=False):
                 return self.run_block(block, x.float(), c.float(), positions=positions)
         inputs = (x, c) if positions is None else (x, c, positions)
@@ -234,36 +234,14 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
             y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
         x = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y)
-        starts = self.router.plan(force_routing_ratio, fused=self.fusions)  # start block -> (k, route, ratio)
-        generator = None
-        if routing_seed is not None and starts:
-            generator = torch.Generator(device=x.device).manual_seed(int(routing_seed))
-        end = keep_idx = fusion = fp32_block = None
-        all_positions = self.grid_positions.expand(x.shape[0], -1, -1) if self.takes_positions else None
-        positions = all_positions
+        positions = self.grid_positions.expand(x.shape[0], -1, -1) if self.takes_positions else None
+        routing = self.router.start_pass(x, force_routing_ratio, routing_seed, force_keep, drop_deep_path,
+                                         self.fusions, positions, repa_tap)
         for i, block in enumerate(self.blocks):
-            if i in starts:  # select the tokens that take the route (all of them at ratio 0: a fusion route)
-                k, route, ratio = starts[i]
-                end, x_route, fusion = route.end_layer_idx, x, self.fusions[str(k)] if str(k) in self.fusions else None
-                if ratio > 0:
-                    keep_idx = routing_module.select_kept_tokens(x, ratio, generator, route.selection, force_keep,
-                                                                 **route.options)
-                    x = routing_module.start_route(x, keep_idx)
-                    if positions is not None:  # the kept tokens carry their own positions through the route
-                        positions = routing_module.start_route(positions, keep_idx)
-            dropped = end is not None and drop_deep_path and getattr(fusion, "drops_deep_path", False)  # not run
-            if not dropped:
-                x = self.run_block(block, x, c, fp32=i == fp32_block, positions=positions)
-                if repa_tap is not None and i == repa_tap.block:
-                    repa_tap(x, keep_idx)
-            if i == end:  # restore the full sequence: the skipped tokens rejoin (TREAD), or the route's strategy
-                if fusion is None:
-                    x = routing_module.end_route(x, x_route, keep_idx)
-                else:
-                    x = fusion(None, x_route, keep_idx, drop_all=True) if dropped else fusion(x, x_route, keep_idx)
-                fp32_block = None if keep_idx is None else i + 1
-                end = keep_idx = fusion = None
-                positions = all_positions
+            x = routing.enter(i, x)
+            if routing.runs(i):
+                x = routing.tap(i, self.run_block(block, x, c, routing.fp32(i), routing.positions))
+            x = routing.leave(i, x)
         return self.unpatchify(self.final_layer(x, c))
 
     @classmethod

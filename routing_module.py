@@ -209,8 +209,8 @@ def autocast_on(device_type: str) -> bool:
 
 
 class TokenRouter(nn.Module):
-    """Which routes a forward pass runs, and at what ratio; the model's block loop does the routing itself with
-    `select_kept_tokens`, `start_route` and `end_route` (dit.DiT.forward).
+    """Which routes a forward pass runs, and at what ratio; `start_pass` gives the block loop of one forward pass
+    its `RoutingPass` (dit.DiT.forward).
 
     It holds no parameters and no blocks, so a backbone's state dict is the same with and without routing, and it
     follows the model's train()/eval() mode. `fp32_after_route`: the block right after a route that dropped
@@ -254,3 +254,86 @@ class TokenRouter(nn.Module):
         return {route.start_layer_idx: (k, route, ratio)
                 for k, (route, ratio) in enumerate(zip(self.routes, self.active_ratios(force_ratio)))
                 if ratio > 0 or str(k) in fused}
+
+    def start_pass(self, x: torch.Tensor, force_ratio: Optional[float] = None, seed: Optional[int] = None,
+                   force_keep: Optional[torch.Tensor] = None, drop_deep_path: bool = False, fusions=None,
+                   positions: Optional[torch.Tensor] = None, tap=None) -> "RoutingPass":
+        """The routing state of one forward pass over tokens x [B, N, C] (the model's forward keywords; `fusions`:
+        the model's restore modules by route index; `positions`: per-token tensors that travel with the kept
+        tokens)."""
+        fusions = {} if fusions is None else fusions
+        starts = self.plan(force_ratio, fused=fusions)
+        generator = None
+        if seed is not None and starts:
+            generator = torch.Generator(device=x.device).manual_seed(int(seed))
+        return RoutingPass(starts, fusions, generator, force_keep, drop_deep_path, positions, tap,
+                           self.fp32_after_route)
+
+
+class RoutingPass:
+    """One forward pass's routing, for a block loop that reads as the paper's:
+
+        for i, block in enumerate(blocks):
+            x = routing.enter(i, x)          # a route starts: its kept tokens go on, the full sequence waits
+            if routing.runs(i):              # not a block that path-drop guidance skips
+                x = routing.tap(i, run(block, x, c, routing.fp32(i), routing.positions))
+            x = routing.leave(i, x)          # a route ends: the full sequence restored
+
+    It holds the route in flight (its kept tokens' indices, the sequence it left, its restore module), the
+    positions of the tokens in flight, and the block after a route that dropped tokens (`fp32`). The primitives
+    are called through this module's names, so code that patches `routing_module.select_kept_tokens`,
+    `start_route` or `end_route` (the paper-parity harness) routes every model's loop."""
+
+    def __init__(self, starts: dict, fusions, generator, force_keep, drop_deep_path: bool, positions, tap,
+                 fp32_after_route: bool):
+        self.starts, self.fusions, self.generator = starts, fusions, generator
+        self.force_keep, self.drop_deep_path, self._tap = force_keep, drop_deep_path, tap
+        self.fp32_after_route = fp32_after_route
+        self.all_positions = self.positions = positions
+        self.end = self.keep_idx = self.x_route = self.fusion = self.fp32_block = None
+
+    def enter(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Before block i: where a route starts, its kept tokens (all of them at ratio 0: a fusion route)."""
+        if i not in self.starts:
+            return x
+        k, route, ratio = self.starts[i]
+        self.end, self.x_route = route.end_layer_idx, x
+        self.fusion = self.fusions[str(k)] if str(k) in self.fusions else None
+        if ratio > 0:
+            self.keep_idx = select_kept_tokens(x, ratio, self.generator, route.selection, self.force_keep,
+                                               **route.options)
+            x = start_route(x, self.keep_idx)
+            if self.positions is not None:  # the kept tokens carry their own positions through the route
+                self.positions = start_route(self.positions, self.keep_idx)
+        return x
+
+    def runs(self, i: int) -> bool:
+        """False for a route's blocks when path-drop guidance skips its deep path (its restore module drops it)."""
+        return not (self.end is not None and self.drop_deep_path and getattr(self.fusion, "drops_deep_path", False))
+
+    def fp32(self, i: int) -> bool:
+        """Block i follows a route that dropped tokens: it sees tokens from two depths at once, and with
+        fp32_after_route runs outside autocast, as the official code does."""
+        return self.fp32_after_route and i == self.fp32_block
+
+    def tap(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Block i's output, shown to the tap (REPA's alignment: the tokens and, inside a route, their indices)."""
+        if self._tap is not None and i == self._tap.block:
+            self._tap(x, self.keep_idx)
+        return x
+
+    def leave(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """After block i: where the route in flight ends, the full sequence (the skipped tokens rejoin, TREAD's
+        end_route, or the route's restore strategy)."""
+        if i != self.end:
+            return x
+        if self.fusion is None:
+            x = end_route(x, self.x_route, self.keep_idx)
+        elif not self.runs(i):
+            x = self.fusion(None, self.x_route, self.keep_idx, drop_all=True)
+        else:
+            x = self.fusion(x, self.x_route, self.keep_idx)
+        self.fp32_block = None if self.keep_idx is None else i + 1
+        self.end = self.keep_idx = self.x_route = self.fusion = None
+        self.positions = self.all_positions
+        return x

@@ -66,8 +66,8 @@ def main(cfg: DictConfig):
     cfg.run_name = job_run_name(cfg)
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
     try:  # before any side effect
-        check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)),
-                           overrides=HydraConfig.get().overrides.task)
+        checked = check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                                     overrides=HydraConfig.get().overrides.task)
         from tread_utils.distributed import check_cuda_processes  # loads torch: only for a valid config
         check_cuda_processes(mixed_precision=cfg.train.mixed_precision)
         from training.loop import training_dataset  # torch and the model code load only for a valid config
@@ -85,13 +85,13 @@ def main(cfg: DictConfig):
                                    f"results_dir= to a folder this job can write")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        run(cfg, run_dir, lock, dataset)
+        run(cfg, run_dir, lock, dataset, checked.model_args)
     finally:
         if lock is not None:
             lock.release()
 
 
-def run(cfg, run_dir: Path, lock, dataset):
+def run(cfg, run_dir: Path, lock, dataset, model_args: dict):
     from training.loop import training_loop
     from training.run_dir import prepare_run_dir, write_status
 
@@ -99,7 +99,8 @@ def run(cfg, run_dir: Path, lock, dataset):
         prepare_run_dir(run_dir, cfg.resume, is_main=int(os.environ.get("RANK", 0)) == 0)  # before "running"
         write_status(run_dir, "running")
         training_loop(cfg, end_training=not is_multirun(),  # a sweep's jobs share one process group
-                      heartbeat=lock.refresh if lock is not None else None, dataset=dataset)
+                      heartbeat=lock.refresh if lock is not None else None, dataset=dataset,
+                      model_args=model_args)
         write_status(run_dir, "completed")
     except SystemExit as e:  # a signal stopped the run after its checkpoint
         write_status(run_dir, "stopped", exit_code=e.code)

@@ -78,13 +78,13 @@ def test_train_compile_dynamic_choices_on_the_routed_model(dynamic, graphs):
         for batch in (8, 5, 12):
             compiled(torch.randn(batch, 1, 16, 16), torch.rand(batch), torch.randint(0, 10, (batch,)))
     assert counter.frame_count == graphs
-    assert check_train_config(compose_train(f"train.compile_dynamic={str(dynamic).lower()}")).train.compile_dynamic \
+    assert check_train_config(compose_train(f"train.compile_dynamic={str(dynamic).lower()}")).config.train.compile_dynamic \
         is dynamic
 
 
 def test_train_compile_dynamic_refuses_other_values():
     from test_config_schema import compose_train
 
-    assert check_train_config(compose_train()).train.compile_dynamic is None  # torch's default
+    assert check_train_config(compose_train()).config.train.compile_dynamic is None  # torch's default
     with pytest.raises(UserError, match="train.compile_dynamic"):
         check_train_config(compose_train("train.compile_dynamic=sometimes"))

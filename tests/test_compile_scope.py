@@ -77,7 +77,8 @@ def train_run(tmp_path, name, *overrides) -> list:
                                            "train.general.num_workers=0", "train.eval.eval_interval=0",
                                            "train.logging.tensorboard=false", "train.logging.log_interval=1",
                                            "train.mixed_precision=bf16", "train.max_steps=3", *overrides])
-    loop.training_loop(check_train_config(cfg, world_size=1))
+    checked = check_train_config(cfg, world_size=1)
+    loop.training_loop(checked.config, model_args=checked.model_args)
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "loss" in r]
 
@@ -102,7 +103,7 @@ def test_train_compile_scope_blocks_logs_three_graphs_and_the_uncompiled_losses(
 def test_train_compile_scope_is_model_or_blocks():
     from test_config_schema import compose_train
 
-    assert check_train_config(compose_train()).train.compile_scope == "model"  # the whole model, as before
+    assert check_train_config(compose_train()).config.train.compile_scope == "model"  # the whole model, as before
     with pytest.raises(UserError, match=re.escape("train.compile_scope=layers is not allowed: it must be one of "
                                                   "model, blocks")):
         check_train_config(compose_train("train.compile_scope=layers"))

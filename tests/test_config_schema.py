@@ -105,7 +105,7 @@ def compose_train(*overrides):
 @pytest.mark.parametrize("overrides", [[], ["model=dit", "diffuser=rf"],
                                        ["dataset=imagenet256", "dataset.train_path=/", "train.eval.eval_interval=0"]])
 def test_shipped_configs_pass(overrides):
-    merged = check_train_config(compose_train(*overrides), world_size=1)
+    merged = check_train_config(compose_train(*overrides), world_size=1).config
     assert merged.model.params.init == "official" and merged.train.general.grad_accum_steps == 1
 
 

@@ -50,7 +50,7 @@ def test_a_block_type_registered_from_outside_is_a_config_value_without_a_schema
     assert rule.reads_registry and not rule.ok("wide")
     monkeypatch.setitem(dit.BLOCK_TYPES, "wide", dit.DiTBlock)
     assert rule.ok("wide") and rule.allowed.endswith("one of attention, ssm, wide")  # documented with it
-    merged = check_train_config(compose_train("model=dit", "model.params.block_type=wide"))
+    merged = check_train_config(compose_train("model=dit", "model.params.block_type=wide")).config
     assert merged.model.params.block_type == "wide"
     with pytest.raises(UserError, match=r"model.params.block_type=narrow is not allowed: .*one of attention, ssm, wide"):
         check_train_config(compose_train("model.params.block_type=narrow"))
@@ -70,3 +70,34 @@ def test_python_callers_get_the_schema_rules_in_one_line():
         with pytest.raises(UserError) as info:
             dit.get_model("DiT-T/2", {**DATA, **params})
         assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+COUNTED_LAUNCH = """
+import atexit, runpy, sys
+import routing_module
+calls = []
+resolve = routing_module.resolve_routes
+def counted(*args, **kwargs):
+    calls.append(args)
+    return resolve(*args, **kwargs)
+routing_module.resolve_routes = counted
+atexit.register(lambda: print(f"routes resolved {len(calls)} time(s)"))
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_launch_resolves_its_routes_once(tmp_path):
+    """train.py checks the config, builds the model, its EMA and the FLOP report from one resolve of the routes:
+    the config check's model arguments build the model."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env, tiny_overrides
+    overrides = [*tiny_overrides("tread"), f"results_dir={tmp_path}", "train.max_steps=1", "train.ckpt_every=1",
+                 "train.general.num_workers=0", "train.cpu_threads=1", "train.general.batch_size=4"]
+    proc = subprocess.run([sys.executable, "-c", COUNTED_LAUNCH, *overrides], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FLOPs per training step" in proc.stdout  # the report ran, on the model's resolved routes
+    assert "routes resolved 1 time(s)" in proc.stdout

@@ -244,7 +244,7 @@ def test_dinov2_offline_without_weights_names_what_to_download(monkeypatch, tmp_
         check_train_config(compose_train("repa.enabled=true", "repa.encoder=dinov2_vitb14"), world_size=1)
     assert "timm/vit_base_patch14_dinov2.lvd142m" in str(e.value) and "repa.encoder_weights" in str(e.value)
     assert "\n" not in str(e.value)
-    assert check_train_config(compose_train(), world_size=1).repa.enabled is False  # the default: off
+    assert check_train_config(compose_train(), world_size=1).config.repa.enabled is False  # the default: off
 
 
 def test_dinov2_weights_are_found_in_a_folder_a_file_or_the_hub_cache(monkeypatch, tmp_path):

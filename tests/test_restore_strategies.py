@@ -49,7 +49,7 @@ def gated(monkeypatch):
 
 def check(*overrides):
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return check_train_config(compose("config", overrides=["model=tread", *overrides]))
+        return check_train_config(compose("config", overrides=["model=tread", *overrides])).config
 
 
 def test_the_config_accepts_the_strategy_and_checks_its_options():

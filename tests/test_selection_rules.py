@@ -36,7 +36,7 @@ def compose_train(*overrides):
 def test_a_rule_registered_here_trains_a_step_routing_the_tokens_it_scores_highest(rule, monkeypatch, tmp_path):
     cfg = compose_train("model.params.routes.0.selection=by_position", "+model.params.routes.0.options.last=true",
                         f"results_dir={tmp_path}")
-    merged = check_train_config(cfg)
+    merged = check_train_config(cfg).config
     params = OmegaConf.to_container(merged.model.params)
     model = get_model(merged.model.backbone_type, params).train()
     route, = model.router.routes

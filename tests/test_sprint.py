@@ -131,7 +131,7 @@ def test_config_check_and_flop_count_know_sprint_routes():
 
     def check(*overrides):
         with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-            return check_train_config(compose("config", overrides=list(overrides)))
+            return check_train_config(compose("config", overrides=list(overrides))).config
 
     assert check("model.params.routes.0.fusion=sprint").model.params.routes[0].path_drop_prob == 0.1
     with pytest.raises(UserError, match="fusion must be one of none, sprint"):

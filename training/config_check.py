@@ -15,6 +15,7 @@ import os
 import re
 import typing
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -302,9 +303,14 @@ def refuse_missing(merged, schema):
         raise UserError(f"{key} is required{_doc(schema, key)}: set {key}=... on the command line")
 
 
-def check_train_config(cfg, world_size: int = 1, overrides=()):
-    """The whole training config, and the command line's `overrides` as typed; returns the config merged into
-    the schema (types converted, defaults filled)."""
+class CheckedTrainConfig(NamedTuple):
+    config: Any       # the config merged into the schema (types converted, defaults filled)
+    model_args: dict  # the model's checked arguments, routes resolved: the run builds its model from them
+
+
+def check_train_config(cfg, world_size: int = 1, overrides=()) -> CheckedTrainConfig:
+    """The whole training config, and the command line's `overrides` as typed. The routes resolve here, once
+    per launch: the training loop builds the model from the returned `model_args`."""
     check_override_types(overrides)
     data = resolved(cfg)
     merged = conform(S.ConfigSchema, data)
@@ -321,12 +327,12 @@ def check_train_config(cfg, world_size: int = 1, overrides=()):
     check_paths(merged)
     import dit  # the model code (torch) only now: backbone, model.params and routes, as get_model checks them
 
-    depth = dit.model_kwargs(data["model"]["backbone_type"], data["model"]["params"])["depth"]
-    check_repa(merged, depth)
+    model_args = dit.model_kwargs(data["model"]["backbone_type"], data["model"]["params"])
+    check_repa(merged, model_args["depth"])
     from training.eval_inputs import check_eval_inputs
 
     check_eval_inputs(merged)  # the VAE, Inception weights and reference: found, not loaded
-    return merged
+    return CheckedTrainConfig(merged, model_args)
 
 
 def check_repa(cfg, depth: int):

@@ -24,7 +24,7 @@ from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
 
 from data import ResumableBatchSampler, build_dataset, loader_workers
-from dit import get_model
+from dit import DiT, model_kwargs
 from training import checkpoint as ckpt
 from training.checkpoint_retention import prune_checkpoints
 from training.checkpoint import build_denoiser, build_objective
@@ -159,7 +159,7 @@ class Run:
         return self.run_dir / "checkpoints"
 
 
-def setup(cfg: DictConfig, dataset=None) -> Run:
+def setup(cfg: DictConfig, dataset=None, model_args=None) -> Run:
     accelerator = start(cfg)
     is_main, device = accelerator.is_main_process, accelerator.device
 
@@ -170,7 +170,7 @@ def setup(cfg: DictConfig, dataset=None) -> Run:
     state = ckpt.load_checkpoint(source) if found else None
 
     # Construct network, EMA, objective and optimizer; resume them (or start from another run's weights).
-    run = construct(cfg, accelerator, run_dir)
+    run = construct(cfg, accelerator, run_dir, model_args)
     if state is not None:
         run.step = load_training_state(run, state, source)
     elif cfg.init_from:
@@ -211,11 +211,13 @@ def start(cfg: DictConfig) -> Accelerator:
     return accelerator
 
 
-def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> Run:
+def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path, model_args=None) -> Run:
     """Network, EMA, objective (with REPA's projector when on) and optimizer: identical initial weights on
-    every rank."""
+    every rank. `model_args`: the config check's (None: checked here)."""
     torch.manual_seed(cfg.global_seed)
-    model = get_model(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    if model_args is None:
+        model_args = model_kwargs(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
+    model = DiT(**model_args)
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     denoiser, loss_fn = build_objective(cfg.diffuser, model)
     net, loss_fn, projector = build_repa(cfg.repa, model, denoiser, loss_fn)  # unchanged when REPA is off
@@ -366,14 +368,14 @@ def evaluate(run: Run, step: int):
         Progress.write(f"step {step}: {format_metrics(scores)}")
 
 
-def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None, dataset=None):
+def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None, dataset=None, model_args=None):
     """Train until train.max_steps, on a config `training.config_check` accepted. `end_training=False` keeps
     the process group alive (one launch that runs a whole Hydra sweep); `heartbeat()` is called at every log
     step, checkpoint and evaluation (the run lock's refresh); `dataset`: `training_dataset(cfg)`, built by the
-    caller before the run folder (None: built here)."""
+    caller before the run folder (None: built here); `model_args`: the config check's (None: checked here)."""
     started = time.time()
     heartbeat = heartbeat or (lambda: None)
-    run = setup(cfg, dataset)
+    run = setup(cfg, dataset, model_args)
     run.started = started
     accelerator, t = run.accelerator, cfg.train
     model_params, ema_params = list(run.model.parameters()), list(run.ema.parameters())
