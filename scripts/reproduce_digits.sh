@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Toy-scale reproduction on the embedded digits (the preset's model: DiT-D/4, 12 blocks, 64 wide, 16 tokens):
-#   1. DiT against TREAD (route 2 -> 8 at ratio 0.5), seeds 0, 1, 2 (the paper's Table 2) -> $RESULTS/compare/
+#   1. DiT against TREAD (its default route), seeds 0, 1, 2 (the paper's Table 2)        -> $RESULTS/compare/
 #   2. selection-ratio ablation 0 / 0.25 / 0.5 / 0.75, seed 0 (the paper's Table 5)       -> $RESULTS/ratio/
 #   3. report.py over both                                                                -> $REPORT/
 # Every run trains STEPS steps and evaluates FID every EVAL_EVERY steps on EVAL_SAMPLES samples.
@@ -28,7 +28,7 @@ budget=("results_dir=$RESULTS" "train.max_steps=$STEPS" "train.eval.eval_interva
 # 1. dit vs tread, 3 seeds each: 6 runs, sequential (same run dirs as `+sweep=compare`)
 "$PYTHON" train.py -m run_name=compare model=dit,tread global_seed=0,1,2 "${budget[@]}" "$@"
 
-# 2. ratio ablation on tread's route 2 -> 8, global_seed 0: ratios 0.25 and 0.75 here; ratio 0 is the
+# 2. ratio ablation on tread's default route, global_seed 0: ratios 0.25 and 0.75 here; ratio 0 is the
 #    `dit` seed-0 run and ratio 0.5 the `tread` seed-0 run of step 1 (same code path, seed and random
 #    stream: a ratio-0 route draws nothing), so they are not trained twice. RATIOS=0,0.25,0.5,0.75 runs all.
 RATIOS=${RATIOS:-0.25,0.75}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The toy study on the embedded digits (the preset's DiT-D/4: 12 blocks, 16 tokens), in stages:
-#   compare    dit against tread (route 2 -> 8 at 0.5), seeds 0, 1, 2, STEPS steps   -> $RESULTS/compare/
+#   compare    dit against tread (its default route), seeds 0, 1, 2, STEPS steps     -> $RESULTS/compare/
 #   placement  tread routes start {0,2,4} x end {5,8,10} at 0.5, seed 0, PLACEMENT_STEPS -> $RESULTS/placement/
-#   ratio      tread 2 -> 8 at RATIOS (0.25, 0.75), seeds 0, 1, 2, RATIO_STEPS        -> $RESULTS/ratio/
+#   ratio      tread's route at RATIOS (0.25, 0.75), seeds 0, 1, 2, RATIO_STEPS       -> $RESULTS/ratio/
 #              (ratios 0 and 0.5 are compare's dit and tread runs, which the report reads up to RATIO_STEPS: a
 #              ratio-0 route is the dit computation, and the same seed and settings train the same run)
 #   platform   the successors against compare's dit and tread, seeds 0, 1, 2, STEPS    -> $RESULTS/platform/

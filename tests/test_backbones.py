@@ -81,7 +81,8 @@ def test_ssm_flops_fall_as_the_report_says():
 
 
 def test_report_command_and_ssm_training(tmp_path):
-    proc = run_script("training.flops", "model=tread", check=True)
+    proc = run_script("training.flops", "model=tread", "model.params.routes.0.start_layer_idx=2",
+                      "model.params.routes.0.end_layer_idx=8", "model.params.routes.0.selection_ratio=0.5", check=True)
     # the digits preset (DiT-D/4, 16 tokens), route 2 -> 8 at 0.5: blocks 3-8 see 8 tokens
     assert "speed-up bound 1.403x" in proc.stdout
     assert "tokens per block [16, 16, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16]" in proc.stdout
