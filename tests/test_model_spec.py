@@ -49,10 +49,11 @@ def test_a_block_type_registered_from_outside_is_a_config_value_without_a_schema
     rule = field("block_type").metadata["rule"]
     assert rule.reads_registry and not rule.ok("wide")
     monkeypatch.setitem(dit.BLOCK_TYPES, "wide", dit.DiTBlock)
-    assert rule.ok("wide") and rule.allowed.endswith("one of attention, ssm, wide")  # documented with it
+    assert rule.ok("wide") and rule.allowed.endswith("one of attention, ssm, lightningdit, wide")  # documented with it
     merged = check_train_config(compose_train("model=dit", "model.params.block_type=wide"))
     assert merged.model.params.block_type == "wide"
-    with pytest.raises(UserError, match=r"model.params.block_type=narrow is not allowed: .*one of attention, ssm, wide"):
+    with pytest.raises(UserError, match=r"model.params.block_type=narrow is not allowed: "
+                                        r".*one of attention, ssm, lightningdit, wide"):
         check_train_config(compose_train("model.params.block_type=narrow"))
     model = dit.get_model("DiT-T/2", {**DATA, "block_type": "wide", "depth": 1})
     assert type(model.blocks[0]) is dit.DiTBlock
