@@ -33,7 +33,6 @@ import contextlib
 import importlib
 import importlib.machinery
 import inspect
-import json
 import sys
 import types
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 import routing_module
 from dit import DiT_models, get_model
 from lab.paper_code import eager_context
-from lab.paper_parity import _max_rel, _same_kept_tokens
+from lab.paper_parity import _max_rel, _same_kept_tokens, report_rows
 from tread_utils.errors import UserError, report_user_errors
 
 CODE_REPO = "https://github.com/stefan-baumann/LightningDiT_TREAD"
@@ -194,14 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     rows = [parity(args.code, b, qk_norm) for b in args.backbones for qk_norm in (False, True)]
-    for r in rows:
-        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
-    bad = failures(rows)
-    if bad:
-        raise UserError("parity failed: " + "; ".join(bad))
-    print("parity: outputs, input gradients and parameter gradients match their LightningDiT, unrouted and routed")
+    report_rows(rows, args.out, failures(rows),
+                "parity: outputs, input gradients and parameter gradients match their LightningDiT, unrouted and routed")
 
 
 if __name__ == "__main__":
