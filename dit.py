@@ -23,6 +23,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch.utils.checkpoint import checkpoint
 
 from backbones import Mlp, modulate
+from backbones.lightningdit import LightningDiTBlock
 from backbones.sprint import SPRINT
 from backbones.ssm import SSMBlock
 import routing_module
@@ -117,9 +118,9 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    def __init__(self, hidden_size, patch_size, out_channels):
-        super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+    def __init__(self, hidden_size, patch_size, out_channels, norm=None):
+        super().__init__()  # norm: the blocks' `final_norm` class (LightningDiT's RMSNorm); DiT's LayerNorm if None
+        self.norm_final = norm(hidden_size) if norm else nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
@@ -171,7 +172,8 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         # dict is unchanged)
         self.fusions = nn.ModuleDict({str(k): RESTORES[r.fusion].build(hidden_size, r, **r.fusion_options)
                                       for k, r in enumerate(self.router.routes) if r.fusion != "none"})
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels,
+                                      getattr(block_cls, "final_norm", None))
         self.initialize_weights(init)
 
     def initialize_weights(self, init="official"):
@@ -234,7 +236,8 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
             y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
         x = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y)
-        positions = self.grid_positions.expand(x.shape[0], -1, -1) if self.takes_positions else None
+        # contiguous, as the gathered positions inside a route are: compiled per block, one graph serves both
+        positions = self.grid_positions.expand(x.shape[0], -1, -1).contiguous() if self.takes_positions else None
         routing = self.router.start_pass(x, force_routing_ratio, routing_seed, force_keep, drop_deep_path,
                                          self.fusions, positions, repa_tap)
         for i, block in enumerate(self.blocks):
@@ -270,7 +273,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
 
 # The block registry (model.params.block_type): the schema's rule reads it, so a block added here, by this file
 # or from outside, is a config value at once. A block is built as cls(hidden_size, num_heads, mlp_ratio, qk_norm).
-BLOCK_TYPES = {"attention": DiTBlock, "ssm": SSMBlock}
+BLOCK_TYPES = {"attention": DiTBlock, "ssm": SSMBlock, "lightningdit": LightningDiTBlock}
 RESTORES = {"sprint": SPRINT}  # a route's `fusion` other than none (end_route): routing_module.Restore
 
 
@@ -280,6 +283,9 @@ def _registry():
               for name, (d, h, n) in sizes.items() for p in (2, 4, 8)}
     models.update({f"DiS-{name}/{p}": dict(depth=d, hidden_size=h, num_heads=n, patch_size=p, block_type="ssm")
                    for name, (d, h, n) in sizes.items() if name in ("T", "S", "B") for p in (2, 4, 8)})
+    models.update({f"LightningDiT-{name}/{p}": dict(depth=d, hidden_size=h, num_heads=n, patch_size=p,
+                                                    block_type="lightningdit")
+                   for name, (d, h, n) in sizes.items() for p in (1, 2, 4, 8)})
     return models
 
 
@@ -287,6 +293,8 @@ def _registry():
 # within minutes on 2 CPU cores; "DiT-T/*" (128 wide) is the tiny model of tests and benchmarks.
 # "DiS-*": the same embedders and adaLN-Zero conditioning with state-space blocks instead of attention
 # (backbones/ssm.py), a backbone that is not a transformer, routed by the same block loop.
+# "LightningDiT-*": LightningDiT's blocks (backbones/lightningdit.py: RMSNorm, 2-D RoPE from each token's grid
+# position, SwiGLU), its sizes DiT's; /1 is its ImageNet latents' patch size.
 DiT_models = _registry()
 
 INITS = ("official", "adaln_zero")  # initialize_weights's (model.params.init; the schema's rule reads it)

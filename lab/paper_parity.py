@@ -226,14 +226,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     rows = run_all(args.paper_code, args.backbones)
+    report_rows(rows, args.out, failures(rows),
+                "parity: loss, gradients, AdamW and EMA updates, routed forwards and EDM samples match the paper's code")
+
+
+def report_rows(rows, out, bad, done: str):
+    """Prints the rows, writes them as JSON to `out` (when given), then fails in one line naming `bad` (the
+    differences over their tolerance), or prints `done`."""
     for r in rows:
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
-    bad = failures(rows)
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=2) + "\n")
     if bad:
         raise UserError("parity failed: " + "; ".join(bad))
-    print("parity: loss, gradients, AdamW and EMA updates, routed forwards and EDM samples match the paper's code")
+    print(done)
 
 
 if __name__ == "__main__":

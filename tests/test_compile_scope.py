@@ -50,7 +50,7 @@ def train_steps(model, steps=3) -> tuple:
     return losses, frames
 
 
-@pytest.mark.parametrize("block_type", ["attention", "ssm"])
+@pytest.mark.parametrize("block_type", ["attention", "ssm", "lightningdit"])
 def test_blocks_share_three_graphs_and_train_like_the_eager_model(block_type):
     """Eight blocks, two routes (TREAD's and SPRINT's fusion), activation checkpointing: three graphs in the first
     step, none after: the full sequence, the routed one (traced dynamic at the second kept count) and the float32

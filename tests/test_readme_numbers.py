@@ -342,13 +342,14 @@ def test_route_probe_table_is_the_validation_json():
 PERFORMANCE = (REPO / "docs" / "performance.md").read_text()
 
 
-def test_cpu_training_table_is_the_benchmark_json():
+@pytest.mark.parametrize("record, first", [("cpu.json", "backbone"), ("cpu_lightningdit.json", "backbone, alone")])
+def test_cpu_training_table_is_the_benchmark_json(record, first):
     runs = {(r["backbone"], r["code"], r["mode"], r["model"]): r
-            for r in json.loads((PERF / "cpu.json").read_text())["training"]}
-    rows = table(PERFORMANCE, "| backbone | code | mode | dit step (ms) |")
+            for r in json.loads((PERF / record).read_text())["training"]}
+    rows = table(PERFORMANCE, f"| {first} | code | mode | dit step (ms) |")
     assert len(rows) == len(runs) // 2
     for row in rows:
-        key = (row["backbone"], row["code"], row["mode"].split(" (")[0])
+        key = (row[first], row["code"], row["mode"].split(" (")[0])
         dit, tread = runs[(*key, "dit")], runs[(*key, "tread")]
         assert_close(row["dit step (ms)"], dit["step_s"] * 1000, f"{key} dit step")
         assert_close(row["tread step (ms)"], tread["step_s"] * 1000, f"{key} tread step")

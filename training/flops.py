@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from dit import RESTORES, DiT_models, get_model
+from dit import BLOCK_TYPES, RESTORES, DiT_models, get_model
 from routing_module import as_routes, num_kept
 from training import config_schema  # noqa: F401  (stores the schema the YAML extends in Hydra's ConfigStore)
 from training.repa import projector_training_flops
@@ -75,7 +75,11 @@ def architecture(backbone_type: str, params: dict) -> dict:
 
 
 def block_forward_flops(a: dict, n: int) -> int:
-    """Forward FLOPs of one block over n tokens, one sample (`a` from `architecture`)."""
+    """Forward FLOPs of one block over n tokens, one sample (`a` from `architecture`); a block class that counts
+    its own (`forward_flops(hidden_size, mlp_ratio, n)`, LightningDiT's) is asked."""
+    counted = getattr(BLOCK_TYPES[a["block_type"]], "forward_flops", None)
+    if counted is not None:
+        return counted(a["hidden_size"], a["mlp_ratio"], n)
     D = a["hidden_size"]
     mlp = 2 * n * D * int(D * a["mlp_ratio"]) * 2
     ada = 2 * D * 6 * D
