@@ -2,7 +2,6 @@
 with kill -9 and resumed it ends bit for bit where an uninterrupted FSDP2 run ends; its checkpoints export and
 evaluate as any run's; what it does not shard is refused in one line. And a LoRA on a tiny diffusers FLUX routed
 by `apply_tread`, sharded by `tread_diffusers.shard_blocks`, gets the gradients of one process."""
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from conftest import once_per_session
+from conftest import once_per_session, run_forked_ranks
 from test_config_schema import compose_train
 from train_runs import assert_bit_identical, final_state, records, run_args, run_train
 from training import checkpoint as ckpt
@@ -83,10 +82,11 @@ def test_fsdp2_checkpoint_exports_and_evaluates(tmp_path, sharded):
     export.main([str(folder), "--out", str(tmp_path / "exported")])
     exported, _ = ckpt.load_sampling_net(tmp_path / "exported")
     net, _ = ckpt.load_sampling_net(folder)
-    for name, value in state["ema"].items():
-        assert torch.equal(exported.model.state_dict()[name], value) and torch.equal(net.model.state_dict()[name], value)
+    for loaded in (exported, net):
+        weights = loaded.model.state_dict()
+        assert all(torch.equal(weights[name], value) for name, value in state["ema"].items())
     threads = torch.get_num_threads()
-    set_cpu_threads(state["config"]["train"]["cpu_threads"], 2)  # each rank's threads: the reference features' last bits
+    set_cpu_threads(state["config"]["train"]["cpu_threads"], 2)  # each rank's: the reference features' last bits
     try:
         scores = TrainingEvaluator(OmegaConf.create(state["config"]), Accelerator(cpu=True), tmp_path)(exported, 8)
     finally:
@@ -157,13 +157,7 @@ def test_fsdp2_lora_on_routed_flux_gets_the_one_process_gradients(tmp_path):
     import peft  # noqa: F401  (imported here once, not by each forked rank)
     from diffusers import FluxTransformer2DModel  # noqa: F401
 
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_flux_rank, args=(r, tmp_path / "store", tmp_path / "grads.pt")) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_forked_ranks(_flux_rank, tmp_path / "store", tmp_path / "grads.pt")
     transformer = lora_flux(checkpointing=False)
     ((half_loss(transformer, 0) + half_loss(transformer, 1)) / 2).backward()
     want, got = lora_grads(transformer), torch.load(tmp_path / "grads.pt", weights_only=True)
