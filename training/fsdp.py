@@ -23,9 +23,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tread_utils.errors import UserError
 
-MODES = ("ddp", "fsdp2")
-
-
 def sharded(cfg) -> bool:
     return cfg.train.get("distributed", "ddp") == "fsdp2"
 
@@ -56,8 +53,8 @@ def local_shard(full: torch.Tensor, like: DTensor) -> DTensor:
 
 
 def prepare(run, accelerator):
-    """(the denoiser, the optimizer) of `run` with the model and EMA sharded and the optimizer rebuilt over
-    the shards, carrying the (loaded) optimizer state over; the forward autocast as accelerate's `prepare` would."""
+    """(the denoiser, the optimizer) of `run` with the model and EMA sharded, and the same optimizer over the
+    shards with its (loaded) state cut as they are; the forward autocast as accelerate's `prepare` would."""
     old = run.optimizer
     state = old.state_dict()  # the loaded state, if any, before its parameters are replaced
     shard_blocks(run.model, run.model.blocks)
