@@ -142,6 +142,33 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def run_forked_ranks(target, *args, world: int = 2, timeout: float = 120):
+    """`target(rank, *args)` in `world` processes forked from this one (nothing re-imported: they start at once);
+    each must exit 0."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    assert [p.exitcode for p in procs] == [0] * world
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory):
+    """An uninterrupted 2-process (DDP) run of 8 steps, evaluated at steps 4 and 8 (train_runs.run_args): the
+    resume tests' reference, and the FSDP2 tests' too."""
+    from train_runs import run_args, run_train
+
+    def make(root):
+        run_train(*run_args(root, "two"), processes=2)
+        return str(root / "two")
+
+    return Path(once_per_session(tmp_path_factory, "straight", make))
+
+
 @pytest.fixture
 def repo():
     return REPO

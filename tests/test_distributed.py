@@ -1,7 +1,6 @@
 """Processes: more processes than GPUs refused, the process-group timeout, CPU threads on every device, and
 the feature pass spread over the ranks (one process, and two gloo processes forked from this one)."""
 import datetime
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from evaluations.distributed_features import compute_features_distributed, rank_
 from evaluations.features import compute_features
 from evaluations.metrics import RunningStatistics, feature_statistics
 from generation import generate
-from conftest import REPO, assert_one_line_error, subprocess_env, tiny_overrides
+from conftest import REPO, assert_one_line_error, run_forked_ranks, subprocess_env, tiny_overrides
 from tread_utils.distributed import check_cuda_processes, gather_rows, set_cpu_threads, start_processes
 from tread_utils.errors import UserError
 
@@ -162,13 +161,7 @@ def _rank(rank, store, out):
 
 
 def test_two_processes_give_the_one_process_features(tmp_path):
-    ctx = multiprocessing.get_context("fork")  # no re-import: the forked ranks start at once
-    procs = [ctx.Process(target=_rank, args=(r, tmp_path / "store", tmp_path / "out.npz")) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_forked_ranks(_rank, tmp_path / "store", tmp_path / "out.npz")
     got = np.load(tmp_path / "out.npz")
     images = _sample(None, gather=True).images
     feats = {"pool": got["pool"], "spatial_stats": (got["mu"], got["sigma"])}

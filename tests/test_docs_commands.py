@@ -169,8 +169,9 @@ def check_simple(words: list):
     if name.endswith(".sbatch"):  # the job script named in prose
         return check_sbatch_script(name)
     if name == "sbatch":
-        if args and args[-1].endswith(".sbatch"):
-            return check_sbatch_script(args[-1])
+        scripts = [i for i, a in enumerate(args) if a.endswith(".sbatch")]
+        if scripts:  # sbatch [options] SCRIPT [its arguments]
+            return check_sbatch_script(args[scripts[0]], args[scripts[0] + 1:])
         wrapped = [a.partition("=")[2] for a in args if a.startswith("--wrap=")] + \
                   [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--wrap"]
         if not wrapped:
@@ -221,9 +222,9 @@ SLURM_STUBS = {  # what a 2-node allocation's commands give; `accelerate` record
 }
 
 
-def check_sbatch_script(path: str):
-    """A Slurm job script, run by bash as on the second node of a 2-node job (scontrol, srun and accelerate
-    stubbed): the `accelerate launch` it would run is checked like any documented one."""
+def check_sbatch_script(path: str, script_args=()):
+    """A Slurm job script, run by bash (with `script_args`) as on the second node of a 2-node job (scontrol, srun
+    and accelerate stubbed): the `accelerate launch` it would run is checked like any documented one."""
     import subprocess
 
     script = REPO / path
@@ -237,7 +238,7 @@ def check_sbatch_script(path: str):
         record = Path(tmp) / "accelerate_args"
         env = {"PATH": f"{tmp}:/usr/bin:/bin", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
                "ACCELERATE_ARGS": str(record)}
-        proc = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(["bash", str(script), *script_args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         if proc.returncode != 0 or not record.is_file():
             raise CommandError(f"{path} did not reach accelerate launch: {proc.stderr.strip()[-300:]}")
         args = record.read_text().split("\0")[:-1]

@@ -10,31 +10,10 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from conftest import once_per_session, tiny_overrides
-from train_runs import assert_bit_identical, final_state, records, run_train
+from train_runs import assert_bit_identical, final_state, records, run_args, run_train
 from training import checkpoint as ckpt
 from training.in_training_eval import TrainingEvaluator
 from tread_utils.distributed import set_cpu_threads
-
-# Evaluation every 4 steps (with the checkpoint), on the digits preset's scorer and metrics at toy size.
-EVAL_ON = ["train.eval.eval_interval=4", "train.eval.fid_num_samples=128", "train.eval.batch_size=64",
-           "train.eval.sampler.num_steps=2"]
-
-
-def run_args(results_dir, run_name, steps=8):
-    return [f"results_dir={results_dir}", f"run_name={run_name}", *tiny_overrides("tread"), *EVAL_ON,
-            f"train.max_steps={steps}", "train.ckpt_every=4", "train.logging.log_interval=2",
-            "train.general.num_workers=0"]
-
-
-@pytest.fixture(scope="session")
-def straight(tmp_path_factory):
-    """An uninterrupted 2-process run of 8 steps, evaluated at steps 4 and 8."""
-    def make(root):
-        run_train(*run_args(root, "two"), processes=2)
-        return str(root / "two")
-
-    return Path(once_per_session(tmp_path_factory, "straight", make))
 
 
 def test_two_processes_killed_mid_step_resume_bit_identical(tmp_path, straight):

@@ -14,8 +14,20 @@ from pathlib import Path
 
 import torch
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, subprocess_env, tiny_overrides
 from training.checkpoint import list_checkpoints, load_checkpoint
+
+
+# Evaluation every 4 steps (with the checkpoint), on the digits preset's scorer and metrics at toy size.
+EVAL_ON = ["train.eval.eval_interval=4", "train.eval.fid_num_samples=128", "train.eval.batch_size=64",
+           "train.eval.sampler.num_steps=2"]
+
+
+def run_args(results_dir, run_name, steps=8):
+    """The tiny `tread` run of the multi-process tests: a checkpoint every 4 steps, evaluated there."""
+    return [f"results_dir={results_dir}", f"run_name={run_name}", *tiny_overrides("tread"), *EVAL_ON,
+            f"train.max_steps={steps}", "train.ckpt_every=4", "train.logging.log_interval=2",
+            "train.general.num_workers=0"]
 
 
 def free_port() -> int:

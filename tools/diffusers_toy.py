@@ -79,7 +79,9 @@ def model_inputs(model, x_t: torch.Tensor, text: torch.Tensor, pooled: torch.Ten
     video latents as tokens (LTX-2 beside random audio tokens); HunyuanVideo and Cosmos video latents; Kandinsky 5
     channels-last video latents; Z-Image one-frame latents; Krea2 packed tokens after the text, with their
     positions; Lumina2 latents after captions of two lengths (a padded batch)."""
-    name = type(model).__name__
+    # the diffusers class (FSDP2's `fully_shard` makes the model an instance of a subclass, FSDP<class>)
+    name = next((c.__name__ for c in type(model).__mro__ if c.__module__.startswith("diffusers.")),
+                type(model).__name__)
     if name == "ErnieImageTransformer2DModel":  # latents [B, C, H, W], text [B, T, D] all real, t * 1000
         return dict(hidden_states=x_t, timestep=t * 1000, text_bth=text,
                     text_lens=torch.full((len(t),), text.shape[1], device=x_t.device))

@@ -286,6 +286,23 @@ def check_cross(cfg, world_size: int):
     if cfg.model.params.num_classes != cfg.dataset.num_classes:
         raise refuse("model.params.num_classes", cfg.model.params.num_classes,
                      f"dataset.num_classes={cfg.dataset.num_classes}", "remove the override")
+    check_distributed(cfg, world_size)
+
+
+def check_distributed(cfg, world_size: int):
+    """train.distributed=fsdp2 shards the DiT over several processes; what it does not shard is refused."""
+    if cfg.train.distributed != "fsdp2":
+        return
+    ddp = "or train.distributed=ddp"
+    refused = [(world_size < 2, "a single process", f"launch several (accelerate launch --multi_gpu --num_processes "
+                                                    f"N) {ddp}"),
+               (cfg.repa.enabled, "repa.enabled=true", f"its projector is not sharded: repa.enabled=false {ddp}"),
+               (cfg.train.compile, "train.compile=true", f"train.compile=false {ddp}"),
+               (cfg.train.mixed_precision == "fp16", "train.mixed_precision=fp16",
+                f"there is no sharded grad scaler: train.mixed_precision=bf16 {ddp}")]
+    for found, what, fix in refused:
+        if found:
+            raise UserError(f"train.distributed=fsdp2 is not allowed with {what}; {fix}")
 
 
 def resolved(cfg) -> dict:

@@ -183,6 +183,9 @@ class TrainSchema:
         "auto or an integer >= 1"), eg="auto")
     dist_timeout_minutes: int = key("timeout of collective operations between processes, in minutes",
                                     rule=at_least(1), eg=60)
+    distributed: str = key("how several processes share the model: ddp (a full replica on each, gradients "
+                           "all-reduced) or fsdp2 (model, EMA and optimizer state sharded per DiT block, training/"
+                           "fsdp.py; checkpoints as ddp's)", rule=one_of("ddp", "fsdp2"), eg="fsdp2")
     routing_off_after: Optional[int] = key("routing off from this training step on", None,
                                            rule=or_null(at_least(0), "never"), eg=350000)
     keep_checkpoints: KeepCheckpointsSchema = key("which checkpoints stay on disk (the newest always does)",

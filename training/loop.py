@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from data import ResumableBatchSampler, build_dataset, loader_workers
 from dit import DiT, model_kwargs
 from training import checkpoint as ckpt
+from training import fsdp
 from training.checkpoint_retention import prune_checkpoints
 from training.checkpoint import build_denoiser, build_objective
 from training.compile import CompileStats, compile_backbone
@@ -181,7 +182,10 @@ def setup(cfg: DictConfig, dataset=None, model_args=None) -> Run:
     run.sampler, run.data_iter = load_data(cfg, accelerator, run.step * run.accum, run.accum, dataset)
 
     # Distribute.
-    run.net, run.optimizer = accelerator.prepare(run.net, run.optimizer)
+    if fsdp.sharded(cfg):
+        run.net, run.optimizer = fsdp.prepare(run, accelerator)
+    else:
+        run.net, run.optimizer = accelerator.prepare(run.net, run.optimizer)
     if state is not None and state.get("scaler") and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     seed_random_streams(cfg, accelerator, state, run.step)
@@ -207,6 +211,7 @@ def start(cfg: DictConfig) -> Accelerator:
     attention = avoid_faulting_attention(cfg.train.keep_cudnn_attention, "train.keep_cudnn_attention=true")
     if attention and accelerator.is_main_process:
         print(attention, flush=True)
+    fsdp.refuse_accelerate_fsdp(accelerator, cfg.train.get("distributed", "ddp"))
     set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # on GPU runs too
     return accelerator
 
@@ -280,9 +285,10 @@ def save_snapshot(run: Run, step: int):
     """Every rank's RNG state is gathered; the main process writes one checkpoint file."""
     accelerator = run.accelerator
     rng_states = gather_object([ckpt.capture_rng_state()])
+    full = fsdp.full_checkpoint_states(run) if fsdp.sharded(run.cfg) else None  # every rank gathers
     if accelerator.is_main_process:
-        payload = {"step": step, "model": run.model.state_dict(), "ema": run.ema.state_dict(),
-                   "optimizer": run.optimizer.state_dict(), "rng": rng_states,
+        payload = {"step": step, **(full or {"model": run.model.state_dict(), "ema": run.ema.state_dict(),
+                                             "optimizer": run.optimizer.state_dict()}), "rng": rng_states,
                    **({"repa": run.projector.state_dict()} if run.projector is not None else {}),
                    "world_size": accelerator.num_processes,
                    "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
@@ -362,7 +368,8 @@ def log_interval(run: Run, step: int, stop: StopSignal, bar: Progress) -> tuple:
 
 
 def evaluate(run: Run, step: int):
-    scores = run.evaluator(build_denoiser(run.cfg.diffuser, run.ema), step)
+    ema = fsdp.unsharded_ema(run) if fsdp.sharded(run.cfg) else run.ema
+    scores = run.evaluator(build_denoiser(run.cfg.diffuser, ema), step)
     if run.logger is not None:
         run.logger.log(step, scores)
         Progress.write(f"step {step}: {format_metrics(scores)}")
