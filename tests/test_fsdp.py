@@ -101,7 +101,7 @@ def test_fsdp2_checkpoint_exports_and_evaluates(tmp_path, sharded):
 def test_fsdp2_refuses_what_it_does_not_shard(overrides, world, needle):
     with pytest.raises(UserError, match=needle):
         check_train_config(compose_train("train.distributed=fsdp2", *overrides), world_size=world)
-    assert check_train_config(compose_train("train.distributed=fsdp2"), world_size=2).train.distributed == "fsdp2"
+    assert check_train_config(compose_train("train.distributed=fsdp2"), world_size=2).config.train.distributed == "fsdp2"
 
 
 # ---- a LoRA on a tiny diffusers FLUX, routed by apply_tread and sharded per block ----
