@@ -485,6 +485,8 @@ DIFFERENCES = [
     ("quantisation to uint8", "truncated | the same |", "dataset.quantize", "truncate"),
     ("seed", "`global_seed: 0`", "global_seed", 0),
     ("REPA", "| none (off) |", "repa.enabled", False),
+    ("distribution", "| DDP through accelerate |", "train.distributed", "ddp"),
+    ("backbone", "| DiT | DiT |", "model.backbone_type", "DiT-B/2"),
 ]
 
 
