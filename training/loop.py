@@ -10,30 +10,27 @@ import copy
 import dataclasses
 import math
 import os
-import random
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
 
 from data import ResumableBatchSampler, build_dataset, loader_workers
 from dit import DiT, model_kwargs
 from training import checkpoint as ckpt
 from training import fsdp
-from training.checkpoint_retention import prune_checkpoints
 from training.checkpoint import build_denoiser, build_objective
 from training.compile import CompileStats, compile_backbone
 from training.in_training_eval import TrainingEvaluator
-from training.repa import build_repa, fit_optimizer_state, load_projector
+from training.repa import build_repa
 from training.progress import Progress
 from training.run_log import MetricsLogger, format_metrics, open_run_log, summary_line
+from training.run_state import init_weights, load_training_state, save_snapshot, seed_random_streams
 from tread_utils.distributed import set_cpu_threads, start_processes
 from tread_utils.errors import UserError
 from tread_utils.precision import avoid_faulting_attention, set_precision_policy
@@ -59,36 +56,6 @@ def build_adamw(params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 @torch.no_grad()
 def update_ema(ema_params, model_params, decay: float):
     torch._foreach_lerp_(ema_params, model_params, 1.0 - decay)
-
-
-def init_weights(run, cfg):
-    """Start a new run from another run's model and EMA weights, e.g. the paper's "(F)" fine-tuning of a
-    TREAD run without routing: `model=dit init_from=results/tread-digits`. Fresh optimizer unless
-    init_from_optimizer=true. init_from_weights=ema starts the model from the source's EMA too, as SPRINT's
-    full-token fine-tune does (it loads the EMA checkpoint and copies it into a new EMA)."""
-    source = ckpt.resolve_checkpoint(cfg.init_from)
-    state = ckpt.load_checkpoint(source)
-    from_ema = cfg.init_from_weights == "ema"
-    load_training_state(run, state, source, model_key="ema" if from_ema else "model",
-                        optimizer=cfg.init_from_optimizer)
-    if run.accelerator.is_main_process:
-        print(f"initialised from {source} (step {state['step']}{', its EMA as the model' if from_ema else ''}), "
-              f"{'with its optimizer state' if cfg.init_from_optimizer else 'fresh optimizer'}")
-
-
-def load_training_state(run, state: dict, source, model_key="model", optimizer=True) -> int:
-    """Model (from the checkpoint's `model_key` weights), EMA, projector and (if `optimizer`) optimizer from
-    a checkpoint; returns its step."""
-    ckpt.load_model_state(run.model, state[model_key], source)
-    ckpt.load_model_state(run.ema, state["ema"], source)
-    load_projector(run.projector, state, source, run.accelerator.is_main_process)
-    try:
-        if optimizer:
-            run.optimizer.load_state_dict(fit_optimizer_state(state["optimizer"], run.optimizer,
-                                                              len(list(run.model.parameters())), "repa" in state))
-    except (ValueError, KeyError) as e:
-        raise UserError(f"checkpoint {source} has an optimizer state for another model ({e})") from None
-    return int(state["step"])
 
 
 class StopSignal:
@@ -264,39 +231,6 @@ def training_dataset(cfg: DictConfig):
     g = cfg.train.general
     return build_dataset(cfg.dataset, seed=cfg.global_seed, teacher_images=bool(cfg.repa.enabled),
                          global_batch=g.batch_size // g.get("grad_accum_steps", 1))
-
-
-def seed_random_streams(cfg: DictConfig, accelerator: Accelerator, state: Optional[dict], step: int):
-    """Random streams (torch's, numpy's and Python's): each rank continues its own, or starts its own from
-    (global_seed, rank, step) in a new run or from a checkpoint written by another number of processes."""
-    rng, rank, world = state["rng"] if state is not None else None, accelerator.process_index, accelerator.num_processes
-    if rng is not None and len(rng) == world:
-        ckpt.restore_rng_state(rng[rank])
-        return
-    # numpy's and Python's too: a checkpoint restores them, so they must not start from the OS's entropy (an
-    # uninterrupted run would then differ from a resumed one)
-    seed = cfg.global_seed * 1_000_003 + rank + step
-    torch.manual_seed(seed), np.random.seed(seed % 2 ** 32), random.seed(seed)
-    if rng is not None and accelerator.is_main_process:
-        print(f"note: checkpoint was written by {len(rng)} processes, now {world}: RNG streams are re-seeded")
-
-
-def save_snapshot(run: Run, step: int):
-    """Every rank's RNG state is gathered; the main process writes one checkpoint file."""
-    accelerator = run.accelerator
-    rng_states = gather_object([ckpt.capture_rng_state()])
-    full = fsdp.full_checkpoint_states(run) if fsdp.sharded(run.cfg) else None  # every rank gathers
-    if accelerator.is_main_process:
-        payload = {"step": step, **(full or {"model": run.model.state_dict(), "ema": run.ema.state_dict(),
-                                             "optimizer": run.optimizer.state_dict()}), "rng": rng_states,
-                   **({"repa": run.projector.state_dict()} if run.projector is not None else {}),
-                   "world_size": accelerator.num_processes,
-                   "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-                   "config": OmegaConf.to_container(run.cfg, resolve=True)}
-        Progress.write(f"saved {ckpt.save_checkpoint(payload, run.ckpt_dir, step)}")
-        for removed in prune_checkpoints(run.ckpt_dir, run.cfg.train.get("keep_checkpoints")):
-            Progress.write(f"removed {removed} (train.keep_checkpoints)")
-    accelerator.wait_for_everyone()
 
 
 def learning_rate(o, step: int) -> float:
