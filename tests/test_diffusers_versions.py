@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("diffusers")
 from lab.diffusers_tiny import VIDEO_FAMILIES, build  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
-from tread_diffusers.families import RELIES_ON  # noqa: E402
+from tread_diffusers.families import FAMILIES  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 2}]}
@@ -72,13 +72,13 @@ def test_a_renamed_block_parameter_is_refused_naming_it(monkeypatch):
 
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
 def test_each_block_parameter_the_family_reads_is_checked(monkeypatch, name):
-    """The tested version attaches silently; a block without a parameter RELIES_ON names is refused naming it."""
+    """The tested version attaches silently; a block without a parameter its family relies on is refused naming it."""
     model, _, _ = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         apply_tread(model, ROUTE).remove()
     model_name = type(model).__name__
-    for part, needed in RELIES_ON[model_name].items():
+    for part, needed in FAMILIES[model_name].relies_on.items():
         if part == "forward":
             continue
         block_type = type(getattr(model, part)[0])

@@ -43,8 +43,8 @@ text travels in `encoder_hidden_states`, or before the image in the single-strea
   sample's kept rows are gathered to [B, K, 1, head_dim]. A per-token timestep embedding (Wan 2.2 TI2V,
   [B, N, 6, D]) is gathered with the tokens.
 """
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -337,6 +337,10 @@ class Family:
     tokens: str = "hidden_states"  # the block argument that holds the routed tokens
     sequence_first: bool = False   # the blocks' tokens (and output) are [S, B, D], not [B, S, D]
     tail_ids: Optional[str] = None  # the forward argument the tail is read from (compiled: checked as it runs)
+    # What routing reads from the family's code, checked when apply_tread attaches: the transformer forward's
+    # parameters (the grid, the text length, the refused inputs) and each block list's forward parameters (the
+    # routed tokens and the per-token inputs `narrow` cuts). A diffusers version whose code differs is refused.
+    relies_on: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)  # "forward" or a block list -> names
 
     def image(self, output, kind: str):
         return output if self.out_index is None or kind in self.tensor_lists else output[self.out_index]
@@ -349,25 +353,77 @@ class Family:
 
 FLUX_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # dual-stream, then single-stream
 FLUX_CONTROLNET = ("controlnet_block_samples", "controlnet_single_block_samples")
+_FLUX_BLOCK = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
 FAMILIES = {
     "PixArtTransformer2DModel": Family(("transformer_blocks",), None, _pixart_narrow,
-                                       _latent_grid("patch_size", 2)),
+                                       _latent_grid("patch_size", 2),
+                                       relies_on={"forward": ("hidden_states", "attention_mask",
+                                                              "encoder_hidden_states"),
+                                                  "transformer_blocks": ("hidden_states",
+                                                                         "attention_mask")}),
     "SD3Transformer2DModel": Family(("transformer_blocks",), 1, _no_narrow, _latent_grid("patch_size", 2),
-                                    ("block_controlnet_hidden_states", "skip_layers")),
+                                    ("block_controlnet_hidden_states", "skip_layers"),
+                                    relies_on={"forward": ("hidden_states", "encoder_hidden_states",
+                                                           "block_controlnet_hidden_states", "skip_layers"),
+                                               "transformer_blocks": ("hidden_states", "encoder_hidden_states",
+                                                                      "temb")}),
     "FluxTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, tail=_flux_tail,
-                                      tail_ids="img_ids"),
+                                     tail_ids="img_ids",
+                                     relies_on={"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
+                                                            "controlnet_block_samples",
+                                                            "controlnet_single_block_samples"),
+                                                "transformer_blocks": _FLUX_BLOCK,
+                                                "single_transformer_blocks": _FLUX_BLOCK}),
     "Flux2Transformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, ("kv_cache", "kv_cache_mode"),
-                                      lead=_text_lead, tensor_lists=("single_transformer_blocks",)),
+                                      lead=_text_lead, tensor_lists=("single_transformer_blocks",),
+                                      relies_on={"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
+                                                             "kv_cache", "kv_cache_mode"),
+                                                 "transformer_blocks": ("hidden_states", "encoder_hidden_states",
+                                                                        "image_rotary_emb"),
+                                                 "single_transformer_blocks": ("hidden_states",
+                                                                               "encoder_hidden_states",
+                                                                               "image_rotary_emb")}),
     "ChromaTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, lead=_text_lead,
-                                       tensor_lists=("single_transformer_blocks",)),
+                                       tensor_lists=("single_transformer_blocks",),
+                                       relies_on={"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
+                                                              "attention_mask", "controlnet_block_samples",
+                                                              "controlnet_single_block_samples"),
+                                                  "transformer_blocks": ("hidden_states", "encoder_hidden_states",
+                                                                         "image_rotary_emb", "attention_mask"),
+                                                  "single_transformer_blocks": ("hidden_states", "image_rotary_emb",
+                                                                                "attention_mask")}),
     "QwenImageTransformer2DModel": Family(("transformer_blocks",), 1, _qwen_narrow, _qwen_grid,
-                                          ("controlnet_block_samples",), tail=_qwen_tail),
-    "LTXVideoTransformer3DModel": Family(("transformer_blocks",), None, _ltx_narrow, _ltx_grid),
-    "HunyuanVideoTransformer3DModel": Family(FLUX_BLOCKS, 0, _hunyuan_narrow, _hunyuan_grid),
-    "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, _latent_grid("patch_size", 3)),
+                                          ("controlnet_block_samples",), tail=_qwen_tail,
+                                          relies_on={"forward": ("hidden_states", "encoder_hidden_states",
+                                                                 "img_shapes", "controlnet_block_samples"),
+                                                     "transformer_blocks": ("hidden_states", "encoder_hidden_states",
+                                                                            "image_rotary_emb",
+                                                                            "modulate_index")}),
+    "LTXVideoTransformer3DModel": Family(("transformer_blocks",), None, _ltx_narrow, _ltx_grid,
+                                         relies_on={"forward": ("hidden_states", "num_frames", "height", "width",
+                                                                "video_coords"),
+                                                    "transformer_blocks": ("hidden_states", "temb",
+                                                                           "image_rotary_emb")}),
+    "HunyuanVideoTransformer3DModel": Family(FLUX_BLOCKS, 0, _hunyuan_narrow, _hunyuan_grid,
+                                             relies_on={"forward": ("hidden_states", "encoder_hidden_states"),
+                                                        "transformer_blocks": ("hidden_states",
+                                                                               "encoder_hidden_states",
+                                                                               "attention_mask", "freqs_cis"),
+                                                        "single_transformer_blocks": ("hidden_states",
+                                                                                      "encoder_hidden_states",
+                                                                                      "attention_mask",
+                                                                                      "image_rotary_emb")}),
+    "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, _latent_grid("patch_size", 3),
+                                    relies_on={"forward": ("hidden_states", "encoder_hidden_states", "timestep"),
+                                               "blocks": ("hidden_states", "encoder_hidden_states", "temb",
+                                                          "rotary_emb")}),
     "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), 1,
                                          _no_narrow, _latent_grid("patch_size", 2), lead=_auraflow_lead,
-                                         tensor_lists=("single_transformer_blocks",)),
+                                         tensor_lists=("single_transformer_blocks",),
+                                         relies_on={"forward": ("hidden_states", "encoder_hidden_states"),
+                                                    "joint_transformer_blocks": ("hidden_states",
+                                                                                 "encoder_hidden_states", "temb"),
+                                                    "single_transformer_blocks": ("hidden_states", "temb")}),
 }
 
 
@@ -380,46 +436,3 @@ def family_of(transformer) -> Family:
             return family
     raise UserError(f"apply_tread does not support {type(transformer).__name__}; supported diffusers "
                     f"transformers: {', '.join(FAMILIES)}")
-
-
-# What routing reads from each family's code, checked when apply_tread attaches: the transformer forward's
-# parameters (the grid, the text length, the refused inputs) and each block list's forward parameters (the
-# routed hidden_states and the per-token inputs `narrow` cuts). A diffusers version whose code differs here is
-# refused, naming the difference.
-_FLUX_BLOCK = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
-RELIES_ON = {
-    "PixArtTransformer2DModel": {"forward": ("hidden_states", "attention_mask", "encoder_hidden_states"),
-                                 "transformer_blocks": ("hidden_states", "attention_mask")},
-    "SD3Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "block_controlnet_hidden_states",
-                                          "skip_layers"),
-                              "transformer_blocks": ("hidden_states", "encoder_hidden_states", "temb")},
-    "FluxTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
-                                           "controlnet_block_samples", "controlnet_single_block_samples"),
-                               "transformer_blocks": _FLUX_BLOCK, "single_transformer_blocks": _FLUX_BLOCK},
-    "WanTransformer3DModel": {"forward": ("hidden_states", "encoder_hidden_states", "timestep"),
-                              "blocks": ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb")},
-    "AuraFlowTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states"),
-                                   "joint_transformer_blocks": ("hidden_states", "encoder_hidden_states", "temb"),
-                                   "single_transformer_blocks": ("hidden_states", "temb")},
-    "Flux2Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_ids", "kv_cache",
-                                            "kv_cache_mode"),
-                                "transformer_blocks": ("hidden_states", "encoder_hidden_states", "image_rotary_emb"),
-                                "single_transformer_blocks": ("hidden_states", "encoder_hidden_states",
-                                                              "image_rotary_emb")},
-    "ChromaTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_ids", "attention_mask",
-                                             "controlnet_block_samples", "controlnet_single_block_samples"),
-                                 "transformer_blocks": ("hidden_states", "encoder_hidden_states", "image_rotary_emb",
-                                                        "attention_mask"),
-                                 "single_transformer_blocks": ("hidden_states", "image_rotary_emb", "attention_mask")},
-    "QwenImageTransformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "img_shapes",
-                                                "controlnet_block_samples"),
-                                    "transformer_blocks": ("hidden_states", "encoder_hidden_states",
-                                                           "image_rotary_emb", "modulate_index")},
-    "LTXVideoTransformer3DModel": {"forward": ("hidden_states", "num_frames", "height", "width", "video_coords"),
-                                   "transformer_blocks": ("hidden_states", "temb", "image_rotary_emb")},
-    "HunyuanVideoTransformer3DModel": {"forward": ("hidden_states", "encoder_hidden_states"),
-                                       "transformer_blocks": ("hidden_states", "encoder_hidden_states",
-                                                              "attention_mask", "freqs_cis"),
-                                       "single_transformer_blocks": ("hidden_states", "encoder_hidden_states",
-                                                                     "attention_mask", "image_rotary_emb")},
-}

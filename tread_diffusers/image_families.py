@@ -25,7 +25,7 @@ docstring says what a family entry holds); the hooks in tread_diffusers/tread.py
 """
 import torch
 
-from tread_diffusers.families import (FAMILIES, RELIES_ON, Family, SampleLead, _joint_narrow, _latent_grid,
+from tread_diffusers.families import (FAMILIES, Family, SampleLead, _joint_narrow, _latent_grid,
                                       gather_attention_mask, splice)
 from tread_utils.errors import UserError
 
@@ -118,18 +118,20 @@ def _lumina2_narrow(kw: dict, keep: torch.Tensor) -> None:
 IMAGE_FAMILIES = {
     "ZImageTransformer2DModel": Family(("layers",), None, _zimage_narrow, _zimage_grid,
                                        ("controlnet_block_samples", "siglip_feats", "image_noise_mask"),
-                                       tail=_zimage_tail, tokens="x"),
-    "Krea2Transformer2DModel": Family(("transformer_blocks",), None, _joint_narrow, _krea2_grid, lead=_krea2_lead),
+                                       tail=_zimage_tail, tokens="x",
+                                       relies_on={"forward": ("x", "cap_feats", "patch_size", "f_patch_size",
+                                                              "controlnet_block_samples", "siglip_feats",
+                                                              "image_noise_mask"),
+                                                  "layers": ("x", "attn_mask", "freqs_cis", "noise_mask")}),
+    "Krea2Transformer2DModel": Family(("transformer_blocks",), None, _joint_narrow, _krea2_grid, lead=_krea2_lead,
+                                      relies_on={"forward": ("hidden_states", "encoder_hidden_states", "position_ids"),
+                                                 "transformer_blocks": ("hidden_states", "temb", "image_rotary_emb",
+                                                                        "attention_mask")}),
     "Lumina2Transformer2DModel": Family(("layers",), None, _lumina2_narrow, _latent_grid("patch_size", 2),
-                                        lead=_lumina2_lead),
+                                        lead=_lumina2_lead,
+                                        relies_on={"forward": ("hidden_states", "encoder_hidden_states",
+                                                               "encoder_attention_mask"),
+                                                   "layers": ("hidden_states", "attention_mask", "image_rotary_emb",
+                                                              "temb")}),
 }
 FAMILIES.update(IMAGE_FAMILIES)
-RELIES_ON.update({
-    "ZImageTransformer2DModel": {"forward": ("x", "cap_feats", "patch_size", "f_patch_size",
-                                             "controlnet_block_samples", "siglip_feats", "image_noise_mask"),
-                                 "layers": ("x", "attn_mask", "freqs_cis", "noise_mask")},
-    "Krea2Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "position_ids"),
-                                "transformer_blocks": ("hidden_states", "temb", "image_rotary_emb", "attention_mask")},
-    "Lumina2Transformer2DModel": {"forward": ("hidden_states", "encoder_hidden_states", "encoder_attention_mask"),
-                                  "layers": ("hidden_states", "attention_mask", "image_rotary_emb", "temb")},
-})

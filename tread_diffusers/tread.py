@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
-from tread_diffusers.families import (RELIES_ON, Family, SampleLead, check_reference_ids, family_of, no_tail,
+from tread_diffusers.families import (FAMILIES, Family, SampleLead, check_reference_ids, family_of, no_tail,
                                       splice)
 from tread_diffusers.image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
 from tread_diffusers.masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
@@ -50,14 +50,14 @@ _RECORD = contextvars.ContextVar("tread_checkpoint_record", default=None)
 
 
 def check_diffusers(transformer, family: Family, version: Optional[str] = None) -> None:
-    """Refuse a diffusers version whose code differs in what routing reads (RELIES_ON: the block lists and the
-    forward parameters), naming the difference; warn in one line on an untested version that passes."""
+    """Refuse a diffusers version whose code differs in what routing reads (`family.relies_on`: the block lists and
+    the forward parameters), naming the difference; warn in one line on an untested version that passes."""
     import diffusers
 
     version = version or diffusers.__version__
-    model = next(cls.__name__ for cls in type(transformer).__mro__ if cls.__name__ in RELIES_ON)
+    model = next(cls.__name__ for cls in type(transformer).__mro__ if cls.__name__ in FAMILIES)
     for part in ("forward", *family.block_lists):
-        needed = RELIES_ON[model][part]
+        needed = family.relies_on.get(part, ())
         if part == "forward":
             modules, where = [transformer], f"{model}.forward"
         else:

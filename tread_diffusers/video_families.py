@@ -1,5 +1,5 @@
 """More diffusers transformer families for TREAD, registered into tread_diffusers/families.py's tables
-(FAMILIES, RELIES_ON), whose docstring says what a Family holds and describes the families before these.
+(FAMILIES), whose docstring says what a Family holds and describes the families before these.
 
 - Cosmos (`transformer_blocks`): video tokens only, [B, F * H * W, D] after the (t, h, w) patches; the text
   (and, in Cosmos 2.5, an image context) by cross-attention, whose text mask [B, 1, 1, T] needs nothing. Its
@@ -26,7 +26,7 @@ from typing import Tuple
 
 import torch
 
-from tread_diffusers.families import (FAMILIES, RELIES_ON, Family, SampleRope, _latent_grid, _ltx_grid, _rows,
+from tread_diffusers.families import (FAMILIES, Family, SampleRope, _latent_grid, _ltx_grid, _rows,
                                       gather_attention_mask)
 
 
@@ -71,24 +71,26 @@ def _ltx2_narrow(kw: dict, keep: torch.Tensor) -> None:
 
 VIDEO_FAMILIES = {
     "CosmosTransformer3DModel": Family(("transformer_blocks",), None, _cosmos_narrow, _latent_grid("patch_size", 3),
-                                       ("block_controlnet_hidden_states",)),
+                                       ("block_controlnet_hidden_states",),
+                                       relies_on={"forward": ("hidden_states", "timestep", "encoder_hidden_states",
+                                                              "block_controlnet_hidden_states"),
+                                                  "transformer_blocks": ("hidden_states", "embedded_timestep", "temb",
+                                                                         "image_rotary_emb", "extra_pos_emb")}),
     "Kandinsky5Transformer3DModel": Family(("visual_transformer_blocks",), None, _kandinsky_narrow, _kandinsky_grid,
-                                           ("sparse_params",), tokens="visual_embed"),
-    "LTX2VideoTransformer3DModel": Family(("transformer_blocks",), 0, _ltx2_narrow, _ltx_grid),
+                                           ("sparse_params",), tokens="visual_embed",
+                                           relies_on={"forward": ("hidden_states", "encoder_hidden_states",
+                                                                  "sparse_params"),
+                                                      "visual_transformer_blocks": ("visual_embed", "text_embed",
+                                                                                    "time_embed", "rope",
+                                                                                    "sparse_params")}),
+    "LTX2VideoTransformer3DModel": Family(("transformer_blocks",), 0, _ltx2_narrow, _ltx_grid,
+                                          relies_on={"forward": ("hidden_states", "audio_hidden_states", "num_frames",
+                                                                 "height", "width", "video_coords"),
+                                                     "transformer_blocks": ("hidden_states", "audio_hidden_states",
+                                                                            "temb", "temb_ca_scale_shift",
+                                                                            "temb_ca_gate", "video_rotary_emb",
+                                                                            "ca_video_rotary_emb",
+                                                                            "self_attention_mask")}),
 }
 FAMILIES.update(VIDEO_FAMILIES)
 
-RELIES_ON.update({
-    "CosmosTransformer3DModel": {"forward": ("hidden_states", "timestep", "encoder_hidden_states",
-                                             "block_controlnet_hidden_states"),
-                                 "transformer_blocks": ("hidden_states", "embedded_timestep", "temb",
-                                                        "image_rotary_emb", "extra_pos_emb")},
-    "Kandinsky5Transformer3DModel": {"forward": ("hidden_states", "encoder_hidden_states", "sparse_params"),
-                                     "visual_transformer_blocks": ("visual_embed", "text_embed", "time_embed", "rope",
-                                                                   "sparse_params")},
-    "LTX2VideoTransformer3DModel": {"forward": ("hidden_states", "audio_hidden_states", "num_frames", "height",
-                                                "width", "video_coords"),
-                                    "transformer_blocks": ("hidden_states", "audio_hidden_states", "temb",
-                                                           "temb_ca_scale_shift", "temb_ca_gate", "video_rotary_emb",
-                                                           "ca_video_rotary_emb", "self_attention_mask")},
-})
