@@ -342,7 +342,9 @@ def test_route_probe_table_is_the_validation_json():
 PERFORMANCE = (REPO / "docs" / "performance.md").read_text()
 
 
-@pytest.mark.parametrize("record, first", [("cpu.json", "backbone"), ("cpu_lightningdit.json", "backbone, alone")])
+@pytest.mark.parametrize("record, first", [("cpu.json", "backbone"), ("cpu_lightningdit.json", "backbone, alone"),
+                                           ("cpu_lightningdit_beside_dit.json", "backbone, first run"),
+                                           ("cpu_lightningdit_beside_dit_repeat.json", "backbone, second run")])
 def test_cpu_training_table_is_the_benchmark_json(record, first):
     runs = {(r["backbone"], r["code"], r["mode"], r["model"]): r
             for r in json.loads((PERF / record).read_text())["training"]}
