@@ -3,11 +3,14 @@ the arguments `dit.DiT` gets, their types and rules hold for Python callers too,
 `block_type` are dit.py's registries, read when a rule runs."""
 import dataclasses
 import inspect
+import subprocess
+import sys
 from typing import Optional
 
 import pytest
 
 import dit
+from conftest import REPO, subprocess_env, tiny_overrides
 from test_config_schema import compose_train
 from training import config_schema as S
 from training.config_check import check_train_config
@@ -90,10 +93,6 @@ runpy.run_path("train.py", run_name="__main__")
 def test_a_launch_resolves_its_routes_once(tmp_path):
     """train.py checks the config, builds the model, its EMA and the FLOP report from one resolve of the routes:
     the config check's model arguments build the model."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, subprocess_env, tiny_overrides
     overrides = [*tiny_overrides("tread"), f"results_dir={tmp_path}", "train.max_steps=1", "train.ckpt_every=1",
                  "train.general.num_workers=0", "train.cpu_threads=1", "train.general.batch_size=4"]
     proc = subprocess.run([sys.executable, "-c", COUNTED_LAUNCH, *overrides], cwd=REPO, env=subprocess_env(),

@@ -19,12 +19,17 @@ tokens it would keep under DDP.
 In-training evaluation samples from an unsharded copy of the EMA, gathered for it and dropped after.
 """
 import torch
+from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dit import get_model
+from training.checkpoint import rng_untouched
+from tread_utils.distributed import fully_shard_blocks
 from tread_utils.errors import UserError
 
+
 def sharded(cfg) -> bool:
-    return cfg.train.get("distributed", "ddp") == "fsdp2"
+    return cfg.train.distributed == "fsdp2"
 
 
 def refuse_accelerate_fsdp(accelerator, mode: str):
@@ -34,17 +39,6 @@ def refuse_accelerate_fsdp(accelerator, mode: str):
         raise UserError(f"the accelerate config asks for accelerate's FSDP (distributed_type: FSDP), which train.py "
                         f"does not use (train.distributed={mode}): launch with --multi_gpu or "
                         f"scripts/accelerate_fsdp2.yaml and set train.distributed=fsdp2 to shard")
-
-
-def shard_blocks(model: torch.nn.Module, blocks) -> torch.nn.Module:
-    """`fully_shard` each of `blocks`, then the root: a block's parameters are gathered only around its own
-    forward and backward."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
 
 
 def local_shard(full: torch.Tensor, like: DTensor) -> DTensor:
@@ -57,8 +51,8 @@ def prepare(run, accelerator):
     shards with its (loaded) state cut as they are; the forward autocast as accelerate's `prepare` would."""
     old = run.optimizer
     state = old.state_dict()  # the loaded state, if any, before its parameters are replaced
-    shard_blocks(run.model, run.model.blocks)
-    shard_blocks(run.ema, run.ema.blocks)
+    fully_shard_blocks(run.model, run.model.blocks)
+    fully_shard_blocks(run.ema, run.ema.blocks)
     params = list(run.model.parameters())
     if len(params) != len(old.param_groups[0]["params"]) or len(old.param_groups) != 1:
         raise UserError("train.distributed=fsdp2 trains the model's parameters alone (repa.enabled=false)")
@@ -105,10 +99,6 @@ def full_checkpoint_states(run) -> dict:
 def unsharded_ema(run):
     """An unsharded copy of the EMA on this rank's device, for evaluation (every rank must call this). Built
     with the training streams untouched: the model's initialisation draws random numbers."""
-    from dit import get_model
-    from omegaconf import OmegaConf
-    from training.checkpoint import rng_untouched
-
     weights = {k: v.to(run.accelerator.device) for k, v in full_state(run.ema).items()}
     with rng_untouched():
         model = get_model(run.cfg.model.backbone_type, OmegaConf.to_container(run.cfg.model.params, resolve=True))

@@ -178,7 +178,7 @@ def start(cfg: DictConfig) -> Accelerator:
     attention = avoid_faulting_attention(cfg.train.keep_cudnn_attention, "train.keep_cudnn_attention=true")
     if attention and accelerator.is_main_process:
         print(attention, flush=True)
-    fsdp.refuse_accelerate_fsdp(accelerator, cfg.train.get("distributed", "ddp"))
+    fsdp.refuse_accelerate_fsdp(accelerator, cfg.train.distributed)
     set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # on GPU runs too
     return accelerator
 

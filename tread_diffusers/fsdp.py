@@ -11,14 +11,11 @@ torch stream, and under gradient checkpointing the recomputed block replays the 
 ranks' batches (tests/test_fsdp.py checks them against one process).
 """
 from tread_diffusers.families import family_of
+from tread_utils.distributed import fully_shard_blocks
 
 
 def shard_blocks(transformer, **options):
     """`fully_shard(block, **options)` for every block, then the transformer; returns the number of blocks."""
-    from torch.distributed.fsdp import fully_shard
-
-    blocks = [block for name in family_of(transformer).block_lists for block in getattr(transformer, name)]
-    for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(transformer, **options)
-    return len(blocks)
+    lists = family_of(transformer).block_lists
+    return fully_shard_blocks(transformer, (block for name in lists for block in getattr(transformer, name)),
+                              **options)

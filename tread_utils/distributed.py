@@ -109,3 +109,15 @@ def gather_rows(arrays: dict, indices, world: int, rank: int, extra=None):
                 whole[name] = np.empty((total, *rows.shape[1:]), dtype=rows.dtype)
             whole[name][part_indices] = rows
     return whole, [p[2] for p in parts]
+
+
+def fully_shard_blocks(model: torch.nn.Module, blocks, **options) -> int:
+    """FSDP2: `fully_shard(block, **options)` for each of `blocks`, then for `model` (the root), so a block's
+    parameters are gathered only around its own forward and backward; returns the number of blocks."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = list(blocks)
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return len(blocks)
