@@ -254,6 +254,7 @@ def to_markdown(record: dict) -> str:
     for r in record["rows"]:
         model = f"{r['arch']}, {r['base']}" if "base" in r else r["arch"]
         model += {True: ", compiled blocks", False: ", eager"}.get(r.get("compiled"), "")
+        model += ", checkpoint around them" if r.get("compiled") and r.get("checkpoint") == "around blocks" else ""
         lines.append(f"| {model} | {r['params_m']:.1f} | {r['blocks']} | {r['tokens']} | {r['batch']} | "
                      f"{r['unrouted_step_s'] * 1e3:.0f} | {r['routed_step_s'] * 1e3:.0f} | {r['speedup']:.3f}x | "
                      f"{r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f} |")
@@ -284,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--flux-lora: batch sizes (default: 1 2 full, 1 proxy)")
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,
                    help="--flux-lora: eager, compiled blocks (at the first batch size) or both (default: both full, off proxy)")
+    p.add_argument("--checkpoint-outside", action="store_true",
+                   help="--flux-lora: time the compiled blocks with the gradient checkpoint around them too (before the "
+                        "row with it inside their graphs)")
     p.add_argument("--out", default=None, help="JSON record (a .md table beside it)")
     return p
 
@@ -310,8 +314,10 @@ def flux_lora(args) -> tuple:
         print(attention, flush=True)
     full = args.flux_lora == "full"
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile or ("both" if full else "off")]
+    if args.checkpoint_outside and True not in modes:
+        raise UserError("--checkpoint-outside times compiled blocks; add --compile on or --compile both")
     rows = flux_lora_rows(args.flux_lora, args.batch_sizes or ([1, 2] if full else [1]), modes, ROUTES,
-                          args.rounds, args.steps)
+                          args.rounds, args.steps, args.checkpoint_outside)
     return rows, attention
 
 

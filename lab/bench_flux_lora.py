@@ -5,7 +5,8 @@ the attention projections (to_q, to_k, to_v, to_out.0), gradient checkpointing, 
 - `full` (a GPU): FLUX.1-dev's transformer at its own sizes (19 + 38 blocks, width 3072, guidance embedding;
   11.9 B parameters, random weights, bf16, built on the GPU), 1024 x 1024 images (4,096 image tokens) and 512
   text tokens; eager at each batch size, then with each block compiled (tread_diffusers/compile.py, static
-  shapes) at the first.
+  shapes) at the first: the checkpoint inside the blocks' graphs (compile_blocks after
+  enable_gradient_checkpointing), and with `checkpoint_outside` first also around them (the other order).
 - `proxy` (a CPU): the same depth at width 64, 16 image and 16 text tokens, float32: the arithmetic is tiny, so
   a step's time is what the host spends (Python, autograd, hooks), and routed / unrouted is the host cost of
   routing.
@@ -59,18 +60,26 @@ def batches(size: str, batch: int, device: torch.device, dtype: torch.dtype):
     return draw
 
 
-def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds: int, steps: int) -> list:
-    """One row per batch size eager, then (blocks compiled once) one for the first batch size compiled: each batch
-    size compiles graphs of its own, minutes at full size."""
+def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds: int, steps: int,
+                   checkpoint_outside: bool = False) -> list:
+    """One row per batch size eager, then (blocks compiled once) the first batch size compiled: with the
+    checkpoint around the compiled blocks if asked, then inside their graphs. Each batch size compiles graphs of
+    its own, minutes at full size."""
     device = torch.device("cuda" if size == "full" else "cpu")
     model, optimizer = build(size, device)
     dtype = next(model.parameters()).dtype
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     rows, counted = [], {}
-    runs = ([(False, batch) for batch in batch_sizes] if False in compiled_modes else []) + \
-        ([(True, batch_sizes[0])] if True in compiled_modes else [])
-    for compiled, batch in runs:
-        if compiled:
+    runs = [(False, "around blocks", batch) for batch in batch_sizes] if False in compiled_modes else []
+    if True in compiled_modes:
+        runs += [(True, checkpoint, batch_sizes[0]) for checkpoint in ("around blocks", "in graphs")
+                 if checkpoint == "in graphs" or checkpoint_outside]
+    for compiled, checkpoint, batch in runs:
+        if compiled and checkpoint == "around blocks":  # compiled while checkpointing is off: it stays outside
+            model.disable_gradient_checkpointing()
+            compile_blocks(model, dynamic=False)
+            model.enable_gradient_checkpointing()
+        elif compiled:
             compile_blocks(model, dynamic=False)  # the ratio is fixed, so are the routed blocks' shapes
         draw = batches(size, batch, device, dtype)
         result = routed_vs_unrouted(model, routes, draw, optimizer, rounds=rounds, steps=steps,
@@ -78,9 +87,10 @@ def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds:
         counted[batch] = {False: result["flops_unrouted"], True: result["flops_routed"]}
         rows.append(dict(arch="flux-dev" if size == "full" else "flux-dev depth, width 64", params_m=params_m,
                          blocks=DUAL + SINGLE, tokens=SIZES[size]["tokens_side"] ** 2, text_tokens=SIZES[size]["text"],
-                         batch=batch, compiled=compiled, dtype=str(dtype).replace("torch.", ""), **result))
-        print(f"flux-lora {size} batch {batch} {'compiled' if compiled else 'eager'}: unrouted "
-              f"{result['unrouted_step_s'] * 1e3:.0f} ms, routed {result['routed_step_s'] * 1e3:.0f} ms, speed-up "
-              f"{result['speedup']:.3f}x of a {result['flop_bound']:.3f}x bound: {result['speedup_vs_bound']:.3f}",
-              flush=True)
+                         batch=batch, compiled=compiled, checkpoint=checkpoint, dtype=str(dtype).replace("torch.", ""),
+                         **result))
+        how = f"compiled, checkpoint {checkpoint}" if compiled else "eager"
+        print(f"flux-lora {size} batch {batch} {how}: unrouted {result['unrouted_step_s'] * 1e3:.0f} ms, routed "
+              f"{result['routed_step_s'] * 1e3:.0f} ms, speed-up {result['speedup']:.3f}x of a "
+              f"{result['flop_bound']:.3f}x bound: {result['speedup_vs_bound']:.3f}", flush=True)
     return rows

@@ -96,3 +96,63 @@ def test_compiled_blocks_route_as_eager_with_a_few_shared_graphs():
     assert not torch.equal(got[0][0], got[1][0])
     assert (counter.frame_count, sum(counters["graph_break"].values())) == (5, 0), dict(counters["graph_break"])
     assert compile_blocks(compiled, backend=counter) == blocks and counter.frame_count == 5
+
+
+def test_compiled_blocks_recompute_inside_their_graphs():
+    """With gradient checkpointing on, compile_blocks puts the checkpoint inside each block's graph: backward
+    recomputes there, so a block is called once per step, not again through its hooks in backward; with
+    torch.compile's partitioner (aot_eager) the routed gradients are the eager model's. A module that is not a
+    compiled block still goes through diffusers' checkpoint, and checkpointing switched on after compile_blocks
+    still checkpoints (outside the graphs)."""
+    from tread_diffusers import compile_blocks
+
+    def step(model, handle, seed=0):
+        torch.manual_seed(seed)
+        model.zero_grad()
+        sample(model(**inputs)[0]).square().mean().backward()
+        return handle.last_keep[0].clone(), [p.grad.clone() for p in model.parameters()]
+
+    eager, inputs, _ = build("flux", layers=2, single_layers=3)
+    compiled, _, _ = build("flux", layers=2, single_layers=3)
+    for model in (eager, compiled):
+        model.enable_gradient_checkpointing()
+        model.train()
+    keep_eager, grads_eager = step(eager, apply_tread(eager, ROUTE))
+    handle = apply_tread(compiled, ROUTE)
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager")
+    calls = []
+    for block in (*compiled.transformer_blocks, *compiled.single_transformer_blocks):
+        block.register_forward_pre_hook(lambda module, args: calls.append(module))
+    keep, grads = step(compiled, handle)
+    assert len(calls) == 5  # one call per block; the checkpoint outside the graphs calls each twice
+    assert torch.equal(keep, keep_eager)
+    for got, expected in zip(grads, grads_eager):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+    plain = torch.nn.Linear(4, 4)
+    seen = []
+    original = compiled._gradient_checkpointing_func
+
+    def recording(module, *args):
+        seen.append(module)
+        return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
+    compiled._gradient_checkpointing_func = recording
+    compile_blocks(compiled, backend="aot_eager")  # the blocks are compiled already; the function is wrapped anew
+    x = torch.randn(2, 4, requires_grad=True)
+    compiled._gradient_checkpointing_func(plain, x).sum().backward()
+    assert seen == [plain] and x.grad is not None
+    assert original is not compiled._gradient_checkpointing_func
+
+    late, _, _ = build("flux", layers=2, single_layers=3)
+    late.train()
+    compile_blocks(late, backend="aot_eager")
+    late.enable_gradient_checkpointing()
+    late_handle = apply_tread(late, ROUTE)  # routes attach to compiled blocks too (the forward's signature kept)
+    calls.clear()
+    for block in (*late.transformer_blocks, *late.single_transformer_blocks):
+        block.register_forward_pre_hook(lambda module, args: calls.append(module))
+    keep_late, grads_late = step(late, late_handle)
+    assert len(calls) == 10 and torch.equal(keep_late, keep_eager)  # checkpointed around the compiled blocks
+    for got, expected in zip(grads_late, grads_eager):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -21,6 +21,7 @@ README = (REPO / "README.md").read_text()
 PERF = REPO / "docs" / "perf"
 STUDY = (REPO / "docs" / "results" / "study.md").read_text()
 PERFORMANCE = (REPO / "docs" / "performance.md").read_text()
+DIFFUSERS = (REPO / "docs" / "diffusers.md").read_text()
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:[eE]-?\d+)?(?:K\b|%|x\b)?")
 
 
@@ -312,7 +313,7 @@ def test_diffusers_family_table_is_the_benchmark_json():
     from lab.bench_diffusers import ARCHS
 
     bench = diffusers_bench_rows()
-    rows = table((REPO / "docs" / "diffusers.md").read_text(), "| family | block lists, in route-index order |")
+    rows = table(DIFFUSERS, "| family | block lists, in route-index order |")
     by_class = {row["family"].split("`")[1]: row for row in rows}
     assert set(by_class) == {cls for _, cls in ARCHS.values()}
     for arch, (_, cls) in ARCHS.items():
@@ -337,9 +338,6 @@ def test_route_probe_table_is_the_validation_json():
 
 # ------------------------------------------------------------------------------------------------------
 # docs/performance.md's CPU tables: docs/perf/cpu.json
-
-
-PERFORMANCE = (REPO / "docs" / "performance.md").read_text()
 
 
 @pytest.mark.parametrize("record, first", [("cpu.json", "backbone"), ("cpu_lightningdit.json", "backbone, alone")])
@@ -560,15 +558,23 @@ def test_h100_targets_table_is_the_check_output():
         assert "NVIDIA H100" in (H100 / f"command{command}_summary.txt").read_text()
 
 
-def test_flux_host_cost_proxy_sentence_is_its_record():
-    row, = json.loads((PERF / "diffusers_flux_host_cpu.json").read_text())["rows"]
-    unrouted, routed, ratio = re.search(r"unrouted (\d+) ms and routed (\d+) ms per step, so routing costs the host "
-                                        r"([\d.]+) times", PERFORMANCE).groups()
-    assert (row["blocks"], row["tokens"], row["compiled"]) == (57, 16, False)
-    assert_close(unrouted, row["unrouted_step_s"] * 1000, "proxy unrouted step")
-    assert_close(routed, row["routed_step_s"] * 1000, "proxy routed step")
-    assert_close(ratio, row["routed_step_s"] / row["unrouted_step_s"], "proxy routed / unrouted")
+def test_flux_host_cost_proxy_sentences_are_its_record():
+    rows = json.loads((PERF / "diffusers_flux_host_cpu.json").read_text())["rows"]
+    eager, around, inside = rows
+    assert all((row["blocks"], row["tokens"]) == (57, 16) for row in rows)
+    assert [(row["compiled"], row["checkpoint"]) for row in rows] == [
+        (False, "around blocks"), (True, "around blocks"), (True, "in graphs")]
+    unrouted, routed, ratio = re.search(r"eager, unrouted (\d+) ms and routed (\d+) ms per step, so\s+routing costs "
+                                        r"the host ([\d.]+) times", PERFORMANCE).groups()
+    assert_close(unrouted, eager["unrouted_step_s"] * 1000, "proxy unrouted step")
+    assert_close(routed, eager["routed_step_s"] * 1000, "proxy routed step")
+    assert_close(ratio, eager["routed_step_s"] / eager["unrouted_step_s"], "proxy routed / unrouted")
     assert float(ratio) <= 1.1
+    compiled = re.search(r"routed compiled step\s+costs the host (\d+) ms with the checkpoint around the compiled "
+                         r"blocks .* and\s+(\d+) ms with it inside their graphs", PERFORMANCE, re.S).groups()
+    assert_close(compiled[0], around["routed_step_s"] * 1000, "proxy compiled step, checkpoint around")
+    assert_close(compiled[1], inside["routed_step_s"] * 1000, "proxy compiled step, checkpoint inside")
+    assert "halves the host's time" in DIFFUSERS and inside["routed_step_s"] / around["routed_step_s"] < 0.55
 
 
 def test_h100_command_seconds_are_their_summaries():
