@@ -255,6 +255,7 @@ def to_markdown(record: dict) -> str:
         model = f"{r['arch']}, {r['base']}" if "base" in r else r["arch"]
         model += {True: ", compiled blocks", False: ", eager"}.get(r.get("compiled"), "")
         model += ", checkpoint around them" if r.get("compiled") and r.get("checkpoint") == "around blocks" else ""
+        model += f", mode {r['compile_mode']}" if r.get("compile_mode", "default") != "default" else ""
         lines.append(f"| {model} | {r['params_m']:.1f} | {r['blocks']} | {r['tokens']} | {r['batch']} | "
                      f"{r['unrouted_step_s'] * 1e3:.0f} | {r['routed_step_s'] * 1e3:.0f} | {r['speedup']:.3f}x | "
                      f"{r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f} |")
@@ -288,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-outside", action="store_true",
                    help="--flux-lora: time the compiled blocks with the gradient checkpoint around them too (before the "
                         "row with it inside their graphs)")
+    p.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                   default="default", help="--flux-lora: torch.compile's mode for the blocks (reduce-overhead: CUDA "
+                                           "graphs on a GPU)")
     p.add_argument("--out", default=None, help="JSON record (a .md table beside it)")
     return p
 
@@ -314,10 +318,11 @@ def flux_lora(args) -> tuple:
         print(attention, flush=True)
     full = args.flux_lora == "full"
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile or ("both" if full else "off")]
-    if args.checkpoint_outside and True not in modes:
-        raise UserError("--checkpoint-outside times compiled blocks; add --compile on or --compile both")
+    for given, flag in ((args.checkpoint_outside, "--checkpoint-outside"), (args.compile_mode != "default", "--compile-mode")):
+        if given and True not in modes:
+            raise UserError(f"{flag} applies to compiled blocks; add --compile on or --compile both")
     rows = flux_lora_rows(args.flux_lora, args.batch_sizes or ([1, 2] if full else [1]), modes, ROUTES,
-                          args.rounds, args.steps, args.checkpoint_outside)
+                          args.rounds, args.steps, args.checkpoint_outside, args.compile_mode)
     return rows, attention
 
 

@@ -61,7 +61,7 @@ def batches(size: str, batch: int, device: torch.device, dtype: torch.dtype):
 
 
 def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds: int, steps: int,
-                   checkpoint_outside: bool = False) -> list:
+                   checkpoint_outside: bool = False, compile_mode: str = "default") -> list:
     """One row per batch size eager, then (blocks compiled once) the first batch size compiled: with the
     checkpoint around the compiled blocks if asked, then inside their graphs. Each batch size compiles graphs of
     its own, minutes at full size."""
@@ -77,10 +77,10 @@ def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds:
     for compiled, checkpoint, batch in runs:
         if compiled and checkpoint == "around blocks":  # compiled while checkpointing is off: it stays outside
             model.disable_gradient_checkpointing()
-            compile_blocks(model, dynamic=False)
+            compile_blocks(model, dynamic=False, mode=compile_mode)
             model.enable_gradient_checkpointing()
         elif compiled:
-            compile_blocks(model, dynamic=False)  # the ratio is fixed, so are the routed blocks' shapes
+            compile_blocks(model, dynamic=False, mode=compile_mode)  # the ratio is fixed: so are the routed shapes
         draw = batches(size, batch, device, dtype)
         result = routed_vs_unrouted(model, routes, draw, optimizer, rounds=rounds, steps=steps,
                                     flops=counted.get(batch))
@@ -88,7 +88,7 @@ def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds:
         rows.append(dict(arch="flux-dev" if size == "full" else "flux-dev depth, width 64", params_m=params_m,
                          blocks=DUAL + SINGLE, tokens=SIZES[size]["tokens_side"] ** 2, text_tokens=SIZES[size]["text"],
                          batch=batch, compiled=compiled, checkpoint=checkpoint, dtype=str(dtype).replace("torch.", ""),
-                         **result))
+                         **(dict(compile_mode=compile_mode) if compiled else {}), **result))
         how = f"compiled, checkpoint {checkpoint}" if compiled else "eager"
         print(f"flux-lora {size} batch {batch} {how}: unrouted {result['unrouted_step_s'] * 1e3:.0f} ms, routed "
               f"{result['routed_step_s'] * 1e3:.0f} ms, speed-up {result['speedup']:.3f}x of a "

@@ -108,3 +108,10 @@ def test_flux_lora_full_size_needs_a_gpu():
     with pytest.raises(UserError, match="on a CPU run --flux-lora proxy") as err:
         bench_diffusers.main(["--flux-lora", "full"])
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flag", [["--checkpoint-outside"], ["--compile-mode", "reduce-overhead"]])
+def test_flux_lora_compile_flags_need_compiled_blocks(flag):
+    with pytest.raises(UserError, match=f"{flag[0]} applies to compiled blocks; add --compile on") as err:
+        bench_diffusers.main(["--flux-lora", "proxy", "--compile", "off", *flag])
+    assert "\n" not in str(err.value)
