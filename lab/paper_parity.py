@@ -6,7 +6,8 @@
 With the same weights, the same batch, the same sigma and noise draws and the same kept tokens, our code and
 theirs must give the same loss, the same gradients, the same parameters after AdamW and the same EMA, and the
 same routed forward in training and with routing forced at inference; our EDM sampler and theirs must give
-the same samples from the same model and noise. Their files are loaded from a clone outside this repo
+the same samples from the same model and noise; compiled as they compile theirs, ours must keep no more for backward.
+Their files are loaded from a clone outside this repo
 (`lab.paper_code`), never copied. Their EDM code imports deepspeed and transformers for helpers, and their
 SD-VAE wrapper, that none of these functions use; those modules are stubbed while it loads.
 
@@ -35,7 +36,7 @@ from tread_utils.errors import UserError, report_user_errors
 # Largest differences accepted in float32 on a CPU (relative for the loss and the gradients, absolute for
 # weights, whose update is lr-sized: 1e-4 per step).
 TOLERANCE = {"loss": 1e-5, "grad": 1e-4, "params_after_adamw": 1e-6, "ema_after_update": 1e-6, "samples": 1e-4,
-             "routed_train_forward": 1e-5, "routed_forced_forward": 1e-5}
+             "routed_train_forward": 1e-5, "routed_forced_forward": 1e-5, "saved_bytes_over_theirs": 0}
 STUBBED = ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.zero", "deepspeed.runtime.zero.partition_parameters",
            "transformers", "transformers.optimization", "autoencoder")
 
@@ -198,6 +199,40 @@ def sampler_parity(code_dir, backbone="DiT-S/2", batch=4, input_size=16, num_cla
     return {"samples": _max_rel(a, b)}
 
 
+def saved_for_backward(code_dir, backbone="DiT-S/2", batch=2, input_size=16, num_classes=10, seed=0) -> dict:
+    """What one bf16 EDM training forward keeps for backward, both models compiled as the paper code compiles
+    (ours with train.compile_scope=blocks, theirs as published; inductor), on the CPU: distinct storages and
+    their bytes. Memory parity of the compiled step short of a GPU: what the partitioner keeps is the same there."""
+    from training.compile import compile_backbone
+
+    dit_module = load_paper_dit(code_dir)
+    their_edm, _ = load_paper_edm(code_dir)
+    ours, theirs = _models(dit_module, backbone, False, input_size, num_classes, seed)
+    compile_backbone(ours.train(), "blocks")
+    nets = {"ours": EDMPrecond(ours, sigma_data=0.5),
+            "theirs": their_edm.EDMPrecond(input_size, 4, num_classes, sigma_data=0.5, model=theirs.train())}
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, 4, input_size, input_size, generator=g)
+    y = torch.randint(0, num_classes, (batch,), generator=g)
+    kept = {}
+    for side, net in nets.items():
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        for _ in range(2):  # the first call compiles; the second is the step as it runs from then on
+            storages.clear()
+            torch.manual_seed(seed + 2)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = EDMLoss(P_mean=-1.2, P_std=1.2, sigma_data=0.5)(net, x, y).mean()
+            loss.backward()
+        kept[side] = (len(storages), sum(storages.values()))
+    return {"saved_tensors": [kept["ours"][0], kept["theirs"][0]], "saved_bytes": [kept["ours"][1], kept["theirs"][1]],
+            "saved_bytes_over_theirs": kept["ours"][1] - kept["theirs"][1]}
+
+
 def run_all(code_dir, backbones=("DiT-S/2",)) -> list:
     rows = []
     for backbone in backbones:
@@ -206,6 +241,7 @@ def run_all(code_dir, backbones=("DiT-S/2",)) -> list:
                          **training_step_parity(code_dir, backbone, routed)})
         rows.append({"backbone": backbone, "model": "tread forward", **routed_forward_parity(code_dir, backbone)})
         rows.append({"backbone": backbone, "model": "sampler", **sampler_parity(code_dir, backbone)})
+        rows.append({"backbone": backbone, "model": "dit compiled per block", **saved_for_backward(code_dir, backbone)})
     return rows
 
 

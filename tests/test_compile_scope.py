@@ -52,9 +52,9 @@ def train_steps(model, steps=3) -> tuple:
 
 @pytest.mark.parametrize("block_type", ["attention", "ssm", "lightningdit"])
 def test_blocks_share_three_graphs_and_train_like_the_eager_model(block_type):
-    """Eight blocks, two routes (TREAD's and SPRINT's fusion), activation checkpointing: three graphs in the first
-    step, none after: the full sequence, the routed one (traced dynamic at the second kept count) and the float32
-    block after a route."""
+    """Eight blocks, two routes (TREAD's and SPRINT's fusion), activation checkpointing: four graphs in the first
+    step, none after: the full sequence, the routed one (traced dynamic at the second kept count), the float32
+    block after a route, and the final layer (compiled as the authors' code compiles it)."""
     expected, _ = train_steps(tiny(block_type))
     torch._dynamo.reset()
     counters.clear()
@@ -62,7 +62,7 @@ def test_blocks_share_three_graphs_and_train_like_the_eager_model(block_type):
     keys = list(model.state_dict())
     assert compile_backbone(model, "blocks", backend="eager") is model  # compiled in place, called as before
     losses, frames = train_steps(model)
-    assert counters["stats"]["unique_graphs"] == 3 and frames == [3, 3, 3]
+    assert counters["stats"]["unique_graphs"] == 4 and frames == [4, 4, 4]
     assert not counters["graph_break"]
     assert list(model.state_dict()) == keys  # checkpoints keep their keys (no `_orig_mod.`)
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
@@ -84,8 +84,8 @@ def train_run(tmp_path, name, *overrides) -> list:
 
 
 def test_train_compile_scope_blocks_logs_three_graphs_and_the_uncompiled_losses(tmp_path, monkeypatch):
-    """train.compile_scope=blocks through the training loop: eight blocks, three graphs (full sequence, routed,
-    float32 block after the route), no recompile after the first step, no graph break, and the losses of the same
+    """train.compile_scope=blocks through the training loop: eight blocks, four graphs (full sequence, routed,
+    float32 block after the route, final layer), no recompile after the first step, no graph break, and the losses of the same
     run uncompiled."""
     eager = train_run(tmp_path, "eager", "train.compile=false")
     torch._dynamo.reset()
@@ -94,7 +94,7 @@ def test_train_compile_scope_blocks_logs_three_graphs_and_the_uncompiled_losses(
     # the config entry, and every later compile in the process fails
     with torch._dynamo.config.patch(debug_backend_override=">=0:eager"):
         blocks = train_run(tmp_path, "blocks", "train.compile=true", "train.compile_scope=blocks")
-    assert [(r["compiled_graphs"], r["recompiles_after_first_step"]) for r in blocks] == [(3, 0)] * 3
+    assert [(r["compiled_graphs"], r["recompiles_after_first_step"]) for r in blocks] == [(4, 0)] * 3
     assert not counters["graph_break"]
     assert all("compiled_graphs" not in r for r in eager)
     torch.testing.assert_close([r["loss"] for r in blocks], [r["loss"] for r in eager], rtol=1e-5, atol=0)

@@ -101,8 +101,8 @@ def test_training_rows_time_ours_and_the_paper_code_and_profile_ours(tmp_path):
         assert [r["mode"] for r in rows] == ["compiled"] * len(ours[name]) + ["published"] * 2
         assert record["dtype"] == "bf16" and all(r["micro_batch"] == micro_batch and r["batch"] == 4 for r in rows)
         assert all(r["graphs"] > 0 and r["warmup_s"] > 0 for r in rows if r["code"] == "ours")
-        if name == "xl2":  # 12 blocks share one graph; routed: the full, the routed and the float32 block's shapes
-            assert [r["graphs"] for r in rows[:2]] == [1, 3]
+        if name == "xl2":  # 12 blocks share one graph, routed: the full, the routed and the float32 block's shapes;
+            assert [r["graphs"] for r in rows[:2]] == [2, 4]  # and the final layer's
         for r in rows:
             assert ("profile" in r) == (r["code"] == "ours")
         profile = rows[1]["profile"]

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from lab.paper_parity import TOLERANCE, failures, routed_forward_parity, sampler_parity, training_step_parity
+from lab.paper_parity import (TOLERANCE, failures, routed_forward_parity, sampler_parity, saved_for_backward,
+                              training_step_parity)
 
 PAPER_CODE = os.environ.get("TREAD_PAPER_CODE")
 pytestmark = pytest.mark.skipif(not PAPER_CODE, reason="set TREAD_PAPER_CODE=<clone of CompVis/tread>")
@@ -36,3 +37,10 @@ def test_routed_forward_matches_the_paper_code():
 def test_edm_sampler_matches_the_paper_code():
     row = {"backbone": "DiT-S/2", "model": "sampler", **sampler_parity(PAPER_CODE, "DiT-S/2")}
     assert not failures([row]), row
+
+
+def test_compiled_per_block_our_step_keeps_what_theirs_keeps():
+    """train.compile_scope=blocks against their published @torch.compile (inductor, bf16 on the CPU): the forward
+    keeps as many tensors, of as many bytes, for backward (their final layer is compiled too)."""
+    row = saved_for_backward(PAPER_CODE, "DiT-S/2")
+    assert row["saved_tensors"][0] == row["saved_tensors"][1] and row["saved_bytes_over_theirs"] <= 0, row

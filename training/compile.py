@@ -5,11 +5,12 @@ Scopes:
 
 * `model`: `torch.compile(model)`, one graph of the whole forward, the block loop and the routing's gather and
   scatter traced into it;
-* `blocks`: every block compiled on its own, in place (`block.compile()`, as the authors' `@torch.compile` on
-  each block's forward): the block loop, the routing, the embedders and the final layer run eagerly. Dynamo
+* `blocks`: every block and the final layer compiled on their own, in place (`module.compile()`, as the authors'
+  `@torch.compile` on those forwards): the block loop, the routing and the embedders run eagerly. Dynamo
   inlines a block's module, so its parameters are graph inputs and every block of a type shares one graph per
-  input shape: a routed model compiles three (the full sequence, the routed one, the float32 block after the
-  route under mixed precision), whatever its depth, where `model` traces every block into one large graph.
+  input shape: a routed model compiles three for its blocks (the full sequence, the routed one, the float32
+  block after the route under mixed precision) and one for the final layer, whatever its depth, where `model`
+  traces every block into one large graph.
 
 Both take `train.compile_dynamic` as torch.compile's `dynamic`. A block's graphs count against dynamo's
 recompile limit (8 per function, shared by all blocks of a type): a route whose kept count changes with a ratio
@@ -21,8 +22,10 @@ from typing import Optional
 import torch
 
 def compile_blocks(model: torch.nn.Module, **options) -> torch.nn.Module:
-    for block in model.blocks:
-        block.compile(**options)
+    # the final layer too, as the authors' code compiles it: compiled, its backward recomputes the normalised
+    # tokens instead of keeping them (one float32 [B, N, D] tensor less at the peak)
+    for module in (*model.blocks, model.final_layer):
+        module.compile(**options)
     return model
 
 

@@ -169,8 +169,8 @@ class TrainSchema:
     mixed_precision: str = key("accelerate's mixed precision", rule=one_of("no", "bf16", "fp16"), eg="bf16")
     compile: bool = key("torch.compile the backbone")
     compile_scope: str = key("what train.compile compiles: model (the whole forward, one graph) or blocks (each "
-                             "block alone, the block loop and routing eager: a few small graphs, shared by "
-                             "every block, that compile faster)", rule=registry("training.compile:SCOPES"),
+                             "block and the final layer alone, as the authors' code compiles, the block loop "
+                             "and routing eager: a few small graphs, shared by every block, that compile faster)", rule=registry("training.compile:SCOPES"),
                              eg="blocks")
     compile_dynamic: Optional[bool] = key("compiled shapes: null (torch's default: static, dynamic once a shape "
                                           "changes), true (dynamic from the start), false (static: one graph per "
