@@ -259,6 +259,10 @@ def to_markdown(record: dict) -> str:
         lines.append(f"| {model} | {r['params_m']:.1f} | {r['blocks']} | {r['tokens']} | {r['batch']} | "
                      f"{r['unrouted_step_s'] * 1e3:.0f} | {r['routed_step_s'] * 1e3:.0f} | {r['speedup']:.3f}x | "
                      f"{r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f} |")
+    profiled = [(i, r["profile_routed"]) for i, r in enumerate(record["rows"], 1) if "profile_routed" in r]
+    lines += [""] * bool(profiled) + [
+        f"Row {i}, one routed step profiled: kernels busy {p['busy_ms']:.0f} ms against the timed "
+        f"{record['rows'][i - 1]['routed_step_s'] * 1e3:.0f} ms; host syncs {p['host_syncs']}" for i, p in profiled]
     return "\n".join(lines) + "\n"
 
 
@@ -292,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                    default="default", help="--flux-lora: torch.compile's mode for the blocks (reduce-overhead: CUDA "
                                            "graphs on a GPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="--flux-lora: profile one more routed step per row (its kernels' busy time: GPU- or host-bound)")
     p.add_argument("--out", default=None, help="JSON record (a .md table beside it)")
     return p
 
@@ -322,7 +328,7 @@ def flux_lora(args) -> tuple:
         if given and True not in modes:
             raise UserError(f"{flag} applies to compiled blocks; add --compile on or --compile both")
     rows = flux_lora_rows(args.flux_lora, args.batch_sizes or ([1, 2] if full else [1]), modes, ROUTES,
-                          args.rounds, args.steps, args.checkpoint_outside, args.compile_mode)
+                          args.rounds, args.steps, args.checkpoint_outside, args.compile_mode, args.profile)
     return rows, attention
 
 

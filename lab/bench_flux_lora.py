@@ -12,12 +12,16 @@ the attention projections (to_q, to_k, to_v, to_out.0), gradient checkpointing, 
   routing.
 
 Each row: the medians of alternating timed blocks (tools/diffusers_toy.routed_vs_unrouted; on a GPU each step
-ends synchronised) and the FLOP bound from torch's FLOP counter, unrouted / routed.
+ends synchronised) and the FLOP bound from torch's FLOP counter, unrouted / routed. With `profile`, one more routed
+step under torch.profiler (`profile_routed`, lab/bench_timing.profile_step): its kernels' busy time against the
+timed routed step says whether the step waits for the GPU or for the host (the profiler slows the host, so its
+own wall time is not the step's).
 """
 import torch
 
-from tools.diffusers_toy import pack, random_flux, routed_vs_unrouted
-from tread_diffusers import compile_blocks
+from lab.bench_timing import profile_step
+from tools.diffusers_toy import pack, random_flux, routed_vs_unrouted, training_step
+from tread_diffusers import apply_tread, compile_blocks
 
 DUAL, SINGLE = 19, 38  # FLUX.1-dev's blocks
 SIZES = {"full": dict(width=3072, tokens_side=64, text=512, text_dim=4096, pooled=768, channels=16),
@@ -61,7 +65,7 @@ def batches(size: str, batch: int, device: torch.device, dtype: torch.dtype):
 
 
 def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds: int, steps: int,
-                   checkpoint_outside: bool = False, compile_mode: str = "default") -> list:
+                   checkpoint_outside: bool = False, compile_mode: str = "default", profile: bool = False) -> list:
     """One row per batch size eager, then (blocks compiled once) the first batch size compiled: with the
     checkpoint around the compiled blocks if asked, then inside their graphs. Each batch size compiles graphs of
     its own, minutes at full size."""
@@ -85,6 +89,8 @@ def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds:
         result = routed_vs_unrouted(model, routes, draw, optimizer, rounds=rounds, steps=steps,
                                     flops=counted.get(batch))
         counted[batch] = {False: result["flops_unrouted"], True: result["flops_routed"]}
+        if profile:
+            result["profile_routed"] = profiled_routed_step(model, routes, draw, optimizer, device)
         rows.append(dict(arch="flux-dev" if size == "full" else "flux-dev depth, width 64", params_m=params_m,
                          blocks=DUAL + SINGLE, tokens=SIZES[size]["tokens_side"] ** 2, text_tokens=SIZES[size]["text"],
                          batch=batch, compiled=compiled, checkpoint=checkpoint, dtype=str(dtype).replace("torch.", ""),
@@ -94,3 +100,14 @@ def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds:
               f"{result['routed_step_s'] * 1e3:.0f} ms, speed-up {result['speedup']:.3f}x of a "
               f"{result['flop_bound']:.3f}x bound: {result['speedup_vs_bound']:.3f}", flush=True)
     return rows
+
+
+def profiled_routed_step(model, routes, draw, optimizer, device) -> dict:
+    """One routed training step under torch.profiler, after one unprofiled (lab/bench_timing.profile_step)."""
+    handle = apply_tread(model, routes)
+    try:
+        step = training_step(model, draw, optimizer)
+        step()
+        return profile_step(step, device, top=10)
+    finally:
+        handle.remove()

@@ -12,7 +12,8 @@
 #   flux   240  the FLUX.1-dev LoRA fine-tune step (11.9 B parameters, bf16, 4,096 image + 512 text tokens, LoRA
 #               r16, gradient checkpointing, default attention settings): routed / unrouted against the FLOP bound
 #               eager at batch 1 and 2, then each block compiled at batch 1, the checkpoint around the compiled
-#               blocks and inside their graphs (lab.bench_diffusers --flux-lora full)
+#               blocks and inside their graphs, one routed step of each profiled (lab.bench_diffusers --flux-lora
+#               full)
 #   xl2    240  DiT-XL/2, batch 256 as 2 x 128, bf16, each block compiled (train.compile_scope=blocks, as the paper
 #               code compiles): `dit` (MFU) and `tread` 2 -> 24 at 0.5 (speed-up against the FLOP bound), then the
 #               paper code's two (ours / theirs, peak memory); one profiled step of each of ours; warm-up times
@@ -72,7 +73,7 @@ if [ $DRY = 1 ]; then
   FID=(--fid-samples 3 --fid-steps 2 --fid-batch 2 --vae "${BENCH_VAE:-random}" --device cpu)
   SUITE=(--suite-samples 8 --suite-ref 4 --suite-batch 4 --device cpu)
   PYTEST_CUDA=(--collect-only)
-  FLUX=(--flux-lora proxy --compile off --rounds 1 --steps 1)
+  FLUX=(--flux-lora proxy --compile off --profile --rounds 1 --steps 1)
   TRAIN=("+model.params.depth=4" "+model.params.hidden_size=32" "+model.params.num_heads=2"
          model.params.routes.0.start_layer_idx=1 model.params.routes.0.end_layer_idx=2
          train.general.batch_size=16 train.general.num_workers=0 train.eval.fid_num_samples=128
@@ -83,7 +84,7 @@ else
   FID=(--fid-samples 5000 --fid-steps 40 --fid-batch 256)
   SUITE=(--suite-samples 50000 --suite-ref 10000 --suite-batch 250)
   PYTEST_CUDA=()
-  FLUX=(--flux-lora full --batch-sizes 1 2 --compile both --checkpoint-outside --rounds 3 --steps 2)
+  FLUX=(--flux-lora full --batch-sizes 1 2 --compile both --checkpoint-outside --profile --rounds 3 --steps 2)
   TRAIN=(train.max_steps=200 train.compile=true)
 fi
 PAPER=()

@@ -90,9 +90,10 @@ def test_quanto_int8_matmuls_count_as_the_float_ones():
 
 def test_flux_lora_proxy_writes_the_host_cost_record(tmp_path):
     """The FLUX.1-dev LoRA step's host-cost proxy: FLUX.1-dev's 19 + 38 blocks at width 64, LoRA on the
-    attention projections, gradient checkpointing; a row with the fields a GPU row has."""
+    attention projections, gradient checkpointing; a row with the fields a GPU row has, and one routed step
+    profiled."""
     out = tmp_path / "proxy.json"
-    bench_diffusers.main(["--flux-lora", "proxy", "--rounds", "1", "--steps", "1", "--out", str(out)])
+    bench_diffusers.main(["--flux-lora", "proxy", "--profile", "--rounds", "1", "--steps", "1", "--out", str(out)])
     record = json.loads(out.read_text())
     assert record["device"] == "cpu" and len(record["rows"]) == 1
     row = record["rows"][0]
@@ -100,6 +101,9 @@ def test_flux_lora_proxy_writes_the_host_cost_record(tmp_path):
     assert row["flop_bound"] > 1.0 and row["unrouted_step_s"] > 0 and row["routed_step_s"] > 0
     assert row["speedup_vs_bound"] == pytest.approx(row["speedup"] / row["flop_bound"])
     assert "| flux-dev depth, width 64, eager |" in out.with_suffix(".md").read_text()
+    profiled = row["profile_routed"]
+    assert profiled["busy_ms"] > 0 and profiled["top"] and "Row 1, one routed step profiled: kernels busy" in \
+        out.with_suffix(".md").read_text()
 
 
 def test_flux_lora_full_size_needs_a_gpu():

@@ -178,18 +178,26 @@ def step_flops(model, batch) -> int:
     return counter.get_total_flops()
 
 
+def training_step(model, batch_fn, optimizer):
+    """One training step as a closure: the flow-matching loss on a new batch, backward, the optimizer's step."""
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graphs (compile mode reduce-overhead)
+        optimizer.zero_grad(set_to_none=True)
+        flow_matching_loss(model, *batch_fn()).backward()
+        optimizer.step()
+    return step
+
+
 def routed_vs_unrouted(model, routes, batch_fn, optimizer, rounds: int = 5, steps: int = 3, flops=None) -> dict:
     """Median step time (forward, backward, optimizer step) routed and unrouted, alternating `rounds` blocks of
     `steps` steps each so both see the same machine load, with the FLOP bound unrouted / routed. On a GPU each
     step ends with a synchronisation: its time is the GPU's or the host's, whichever is longer. `flops`
     ({False: unrouted, True: routed}) skips the counting (a compiled model's counts are its eager ones)."""
     cuda = next(model.parameters()).is_cuda
+    step = training_step(model, batch_fn, optimizer)
 
     def one_step():
-        torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graphs (compile mode reduce-overhead)
-        optimizer.zero_grad(set_to_none=True)
-        flow_matching_loss(model, *batch_fn()).backward()
-        optimizer.step()
+        step()
         if cuda:
             torch.cuda.synchronize()
 
