@@ -1,6 +1,7 @@
 """The LoRA + TREAD fine-tuning example (tools/finetune_lora.py) for a handful of steps, on its random FLUX
 architecture and on a tiny random checkpoint folder given as --pretrained."""
 import math
+import re
 
 import pytest
 import torch
@@ -26,6 +27,22 @@ def test_random_flux_example_runs_and_logs(tmp_path):
     assert "speed-up / bound" in lines[-1]
     assert timing["flop_bound"] > 1.0 and timing["flops_routed"] < timing["flops_unrouted"]
     assert math.isfinite(timing["speedup"])
+
+
+def test_compiled_blocks_train_as_the_eager_ones(tmp_path):
+    """--compile (each block compiled, the checkpoint inside its graph; aot_eager: traced and partitioned as
+    inductor's are, no C++ build): the same losses as the eager run, and the FLOP bound counted as the eager
+    model's."""
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile", "--compile-backend", "aot_eager"])):
+        out = tmp_path / f"{name}.txt"
+        runs[name] = (finetune_lora.main([*FAST, "--resolution", "8", "--gradient-checkpointing", *extra, "--out",
+                                          str(out)]), logged(out))
+    losses = {name: [float(re.search(r"loss (?:\(unrouted, held-out\) )?([\d.]+)", line).group(1))
+                     for line in lines if " loss " in line] for name, (_, lines) in runs.items()}
+    assert len(losses["compiled"]) == 5 and "compiled blocks True" in runs["compiled"][1][1]
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-3)
+    assert runs["compiled"][0]["flops_routed"] == runs["eager"][0]["flops_routed"]
 
 
 def test_pretrained_folder_is_fine_tuned_with_its_vae(tmp_path):

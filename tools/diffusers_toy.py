@@ -3,6 +3,7 @@ transformers, a tiny fixed text encoder, the flow-matching training step those m
 timing / FLOP-bound measurement of a routed against an unrouted step."""
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -171,8 +172,10 @@ def flow_matching_loss(model, latents: torch.Tensor, text: torch.Tensor, pooled:
 
 
 def step_flops(model, batch) -> int:
-    """FLOPs of one training step's forward + backward (torch.utils.flop_counter), as the model routes now."""
-    with FlopCounterMode(display=False) as counter:
+    """FLOPs of one training step's forward + backward (torch.utils.flop_counter), as the model routes now; a
+    compiled model's, counted eagerly (its compiled graphs run their Python code instead)."""
+    eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
+    with eager, FlopCounterMode(display=False) as counter:
         flow_matching_loss(model, *batch).backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()

@@ -26,7 +26,7 @@ import torch
 
 from data.digits import load_digits_split
 from tools.diffusers_toy import FixedTextEncoder, flow_matching_loss, pack, random_flux, routed_vs_unrouted
-from tread_diffusers import apply_tread
+from tread_diffusers import apply_tread, compile_blocks
 from tread_utils.cli import ArgumentParser
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.precision import avoid_faulting_attention
@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=20, help="log the mean training loss every this many steps")
     p.add_argument("--time-rounds", type=int, default=8, help="alternating timed blocks, routed / unrouted")
     p.add_argument("--gradient-checkpointing", action="store_true", help="checkpoint the transformer's blocks")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each block (tread_diffusers.compile_blocks, after the LoRA adapters, checkpointing "
+                        "and routes: a checkpoint goes inside the blocks' graphs)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="--compile: torch.compile's backend (aot_eager: traced and partitioned, no code generated)")
     p.add_argument("--pretrained", default=None, help="local diffusers folder (transformer/, vae/); without it, "
                                                       "a small random FLUX architecture")
     p.add_argument("--eval-samples", type=int, default=128, help="held-out digits in the evaluation loss")
@@ -162,10 +167,13 @@ def main(argv=None):
     log(f"model {type(transformer).__name__} ({sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"LoRA rank {args.rank}: {sum(p.numel() for p in trainable) / 1e6:.3f}M trained), tokens "
         f"{latents.shape[1] if latents.ndim == 3 else latents[0, 0].numel() // 4}, batch {args.batch_size}, "
-        f"routes {routes['routes']}, gradient checkpointing {args.gradient_checkpointing}, "
+        f"routes {routes['routes']}, gradient checkpointing {args.gradient_checkpointing}, compiled blocks "
+        f"{args.compile}, "
         f"torch threads {torch.get_num_threads()}")
     log(f"step 0: eval loss (unrouted, held-out) {eval_loss(transformer, test_latents, *test_text):.4f}")
     handle = apply_tread(transformer, routes)
+    if args.compile:
+        compile_blocks(transformer, backend=args.compile_backend)
     transformer.train()
     losses, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
