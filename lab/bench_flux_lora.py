@@ -12,7 +12,8 @@ the attention projections (to_q, to_k, to_v, to_out.0), gradient checkpointing, 
   routing.
 
 Each row: the medians of alternating timed blocks (tools/diffusers_toy.routed_vs_unrouted; on a GPU each step
-ends synchronised) and the FLOP bound from torch's FLOP counter, unrouted / routed. With `profile`, one more routed
+ends synchronised), the FLOP bound from torch's FLOP counter, unrouted / routed, and on a GPU the peak memory
+allocated (`peak_mem_mb`, the larger of the two steps'). With `profile`, one more routed
 step under torch.profiler (`profile_routed`, lab/bench_timing.profile_step): its kernels' busy time against the
 timed routed step says whether the step waits for the GPU or for the host (the profiler slows the host, so its
 own wall time is not the step's).
@@ -86,8 +87,12 @@ def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds:
         elif compiled:
             compile_blocks(model, dynamic=False, mode=compile_mode)  # the ratio is fixed: so are the routed shapes
         draw = batches(size, batch, device, dtype)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         result = routed_vs_unrouted(model, routes, draw, optimizer, rounds=rounds, steps=steps,
                                     flops=counted.get(batch))
+        if device.type == "cuda":  # the larger of the unrouted and the routed step's
+            result["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
         counted[batch] = {False: result["flops_unrouted"], True: result["flops_routed"]}
         if profile:
             result["profile_routed"] = profiled_routed_step(model, routes, draw, optimizer, device)
