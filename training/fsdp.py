@@ -19,10 +19,9 @@ tokens it would keep under DDP.
 In-training evaluation samples from an unsharded copy of the EMA, gathered for it and dropped after.
 """
 import torch
-from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dit import get_model
+from dit import DiT
 from training.checkpoint import rng_untouched
 from tread_utils.distributed import fully_shard_blocks
 from tread_utils.errors import UserError
@@ -101,6 +100,6 @@ def unsharded_ema(run):
     with the training streams untouched: the model's initialisation draws random numbers."""
     weights = {k: v.to(run.accelerator.device) for k, v in full_state(run.ema).items()}
     with rng_untouched():
-        model = get_model(run.cfg.model.backbone_type, OmegaConf.to_container(run.cfg.model.params, resolve=True))
+        model = DiT(**run.model_args)  # the launch's checked arguments: the routes are not resolved again
     model.load_state_dict(weights)
     return model.requires_grad_(False).eval().to(run.accelerator.device)

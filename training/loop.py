@@ -112,6 +112,7 @@ class Run:
     evaluator: Optional[TrainingEvaluator] = None
     started: float = dataclasses.field(default_factory=time.time)
     compiled: Optional[CompileStats] = None  # with train.compile: the graphs and recompiles logged
+    model_args: Optional[dict] = None  # what the model was built from (routes resolved): FSDP2's evaluation copy
 
     @property
     def accum(self) -> int:
@@ -204,7 +205,8 @@ def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path, model_ar
     compiled = CompileStats.start() if cfg.train.compile else None
     if compiled is not None:
         denoiser.model = compile_backbone(model, cfg.train.compile_scope, dynamic=cfg.train.get("compile_dynamic"))
-    return Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, projector, compiled=compiled)
+    return Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, projector, compiled=compiled,
+               model_args=model_args)
 
 
 def load_data(cfg: DictConfig, accelerator: Accelerator, start_micro_step: int, accum: int, dataset=None):
