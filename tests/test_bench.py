@@ -16,7 +16,7 @@ import torch
 from conftest import assert_one_line_error, run_script, save_tiny_vae
 from dit import get_model  # imported before the stand-in, as in bench.py (the stand-in builds on it)
 from tread_utils.errors import UserError
-from lab.bench import paper_output_difference
+from lab.bench_training import paper_output_difference
 from lab.paper_code import build_paper_model, load_our_weights, load_paper_dit
 
 ROUTING = """

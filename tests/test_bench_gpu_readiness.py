@@ -14,7 +14,7 @@ from conftest import assert_one_line_error, run_script, save_tiny_vae
 from dit import get_model
 from edm import EDMPrecond
 from generation.generate import generate, make_sampler
-from lab import bench, bench_evaluation, bench_timing
+from lab import bench, bench_evaluation, bench_timing, bench_training
 
 TINY = ["--backbones", "DiT-T/8", "--steps", "1", "--warmup", "1", "--sections", "training"]
 
@@ -67,7 +67,7 @@ def test_matmul_ceiling_holds_three_matrices_whatever_the_repeat_count(monkeypat
 def test_an_out_of_memory_variant_is_recorded_and_the_bench_goes_on(monkeypatch, tmp_path):
     """The dense variant runs out of memory on its first step: its row says so with the batch and micro-batch
     tried, its model is freed before the next variant is built, and the routed variants are timed."""
-    real_step, models = bench.training_step, []
+    real_step, models = bench_training.training_step, []
 
     def step_running_out_of_memory(model, batch, device, dtype, context, micro_batch):
         if models:  # the previous variant's model is gone by the time the next one is built
@@ -82,7 +82,7 @@ def test_an_out_of_memory_variant_is_recorded_and_the_bench_goes_on(monkeypatch,
 
         return oom
 
-    monkeypatch.setattr(bench, "training_step", step_running_out_of_memory)
+    monkeypatch.setattr(bench_training, "training_step", step_running_out_of_memory)
     result = run_bench(monkeypatch, tmp_path, *TINY, "--batch-sizes", "4", "--micro-batch", "2",
                        "--fp32-after-route", "both")
     dense, routed, routed_bf16 = result["training"]
@@ -109,7 +109,7 @@ def test_micro_batches_make_one_optimizer_step_and_mfu_counts_the_whole_batch(mo
     --fp32-after-route off builds the routed model without its float32 block; --compile-backend eager
     traces with dynamo (graphs counted) without inductor."""
     seen = {"forward": [], "adamw_steps": 0, "fp32": []}
-    real_step, real_adamw_step = bench.training_step, torch.optim.AdamW.step
+    real_step, real_adamw_step = bench_training.training_step, torch.optim.AdamW.step
 
     def recording(model, batch, device, dtype, context, micro_batch):
         module = getattr(model, "_orig_mod", model)
@@ -121,7 +121,7 @@ def test_micro_batches_make_one_optimizer_step_and_mfu_counts_the_whole_batch(mo
         seen["adamw_steps"] += 1
         return real_adamw_step(self, *a, **kw)
 
-    monkeypatch.setattr(bench, "training_step", recording)
+    monkeypatch.setattr(bench_training, "training_step", recording)
     monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
     result = run_bench(monkeypatch, tmp_path, *TINY, "--batch-sizes", "4", "--micro-batch", "2", "--compile",
                        "--compile-backend", "eager", "--fp32-after-route", "off")
@@ -129,17 +129,17 @@ def test_micro_batches_make_one_optimizer_step_and_mfu_counts_the_whole_batch(mo
     assert seen["forward"] == [2, 2] * 4 and seen["adamw_steps"] == 4  # 2 variants x (1 warm-up + 1 timed)
     assert seen["fp32"] == [(False, True), (True, False)]
     assert [r["fp32_after_route"] for r in rows] == [None, False] and all(r["graphs"] > 0 for r in rows)
-    assert rows[0]["flops_per_step"] == bench.training_step_flops("DiT-T/8", bench.model_params("DiT-T/8", False), 4,
-                                                                  routing=False)
+    dense_params = bench_training.model_params("DiT-T/8", False)
+    assert rows[0]["flops_per_step"] == bench_training.training_step_flops("DiT-T/8", dense_params, 4, routing=False)
     assert result["compile_backend"] == "eager" and rows[0]["micro_batch"] == 2
 
 
 def test_default_micro_batch_fits_xl2_at_batch_256_and_a_bad_one_is_one_line():
     args = bench.parse_args(["--backbones", "DiT-XL/2", "DiT-B/2"])
-    assert bench.micro_batch_for(args, "DiT-XL/2", 256) == 128 and bench.micro_batch_for(args, "DiT-XL/2", 200) == 100
-    assert bench.micro_batch_for(args, "DiT-B/2", 256) == 256
-    assert bench.micro_batch_for(bench.parse_args(["--batch-sizes", "256", "--micro-batch", "64"]), "DiT-XL/2",
-                                256) == 64
+    micro_batch_for = bench_training.micro_batch_for
+    assert micro_batch_for(args, "DiT-XL/2", 256) == 128 and micro_batch_for(args, "DiT-XL/2", 200) == 100
+    assert micro_batch_for(args, "DiT-B/2", 256) == 256
+    assert micro_batch_for(bench.parse_args(["--batch-sizes", "256", "--micro-batch", "64"]), "DiT-XL/2", 256) == 64
     assert_one_line_error(run_script("lab.bench", "--batch-sizes", "8", "12", "--micro-batch", "8"),
                           "--micro-batch 8 does not divide batch size(s) [12]")
 
@@ -156,8 +156,8 @@ def test_grad_checkpointing_counts_the_recomputed_forward_apart(monkeypatch, tmp
     for row in (dense, routed):
         assert row["recomputed_flops_per_step"] > 0 and row["hfu"] > row["mfu"]
         assert row["hfu"] / row["mfu"] == pytest.approx(1 + row["recomputed_flops_per_step"] / row["flops_per_step"])
-    assert dense["flops_per_step"] == bench.training_step_flops("DiT-T/8", bench.model_params("DiT-T/8", False), 2,
-                                                                routing=False)
+    dense_params = bench_training.model_params("DiT-T/8", False)
+    assert dense["flops_per_step"] == bench_training.training_step_flops("DiT-T/8", dense_params, 2, routing=False)
     assert "HFU adds the recomputed forward" in (tmp_path / "bench.md").read_text()
 
 
