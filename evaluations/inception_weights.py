@@ -2,10 +2,10 @@
 
 The weights file is pytorch-fid's ``pt_inception-2015-12-05-6726825d.pth`` (release ``fid_weights``), found
 as ``--weights PATH`` / ``train.eval.inception_weights=PATH``, else env ``TREAD_INCEPTION_WEIGHTS``, else the
-cache folders (torch hub's checkpoints, ~/.cache/tread), else downloaded unless ``TREAD_OFFLINE=1``; its
-sha256 must start with ``6726825d``. A TorchScript of the 2015-12-05 graph with NVlabs' layer names is
-accepted too (evaluations/inception_torchscript.py maps it). Every failure is one ``UserError`` line that
-says where to get the file and how to point at it.
+cache folders (torch hub's checkpoints, ~/.cache/tread), else downloaded unless downloads are off
+(``TREAD_OFFLINE`` set and not 0, or ``allow_download=False``); its sha256 must start with ``6726825d``. A
+TorchScript of the 2015-12-05 graph with NVlabs' layer names is accepted too (evaluations/inception_torchscript.py
+maps it). A missing or wrong file is refused in one ``UserError`` line.
 """
 from __future__ import annotations
 
