@@ -25,7 +25,7 @@ import numpy as np
 from evaluations.digits_classifier import load_digits_classifier
 from evaluations.evaluator import inspect_reference, reference_from_npz, resolve_device
 from evaluations.features import compute_features, open_images
-from evaluations.inception import load_inception
+from evaluations.inception_weights import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from evaluations.reference_check import (SIZE_KEY, TAG_KEY, check_image_size, check_reference_network,
                                           few_samples_warning, network_tag, split_tag)

@@ -17,7 +17,7 @@ reference holding statistics only gets ``nan`` with a note on stderr. Prints exa
 
 ``--random-init`` is for tests only: a seeded, randomly initialised network (numbers are meaningless).
 Weights: ``--weights PATH`` or env ``TREAD_INCEPTION_WEIGHTS`` or the cache, else a download
-(see evaluations/inception.py). Bad input -> one ``error:`` line on stderr and exit code 2.
+(see evaluations/inception_weights.py). Bad input -> one ``error:`` line on stderr and exit code 2.
 
 From Python: :func:`evaluate` (two .npz paths and an extractor -> dict),
 :func:`reference_from_npz` (reference statistics + pool features, computed once),
@@ -25,7 +25,7 @@ From Python: :func:`evaluate` (two .npz paths and an extractor -> dict),
 taking its inputs over, to free them early) and
 :func:`fid_against_reference` (uint8 images + reference -> FID), e.g. for train-time FID::
 
-    from evaluations.inception import load_inception
+    from evaluations.inception_weights import load_inception
     from data.images import latents_to_uint8
     extractor = load_inception()                       # weights: --weights / env / cache / download
     ref = reference_from_npz("VIRTUAL_imagenet256_labeled.npz", extractor)
@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from evaluations.features import compute_features, npz_images, open_npz
-from evaluations.inception import InceptionV3FID, load_inception
+from evaluations.inception import InceptionV3FID
+from evaluations.inception_weights import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance, inception_score, precision_recall
 from evaluations.reference_check import (check_image_size, check_reference_network, few_samples_warning,
                                           network_tag, split_tag)
@@ -221,7 +222,7 @@ def evaluate(ref_npz, sample_npz, extractor, batch_size: int = 64, num_samples: 
     """Evaluate an ADM sample batch against an ADM reference batch with ``extractor``.
 
     ``extractor``: callable uint8 NHWC tensor -> {'pool', 'spatial', 'logits'} (see
-    evaluations.inception.load_inception). ``num_samples``: use the first N sample images (error if
+    evaluations.inception_weights.load_inception). ``num_samples``: use the first N sample images (error if
     fewer). Returns the dict of :func:`metrics_from_features`. Host memory: the pool features of the
     samples and the reference stay on the extractor's GPU when it has one; the logits and the spatial
     features are reduced while they come; the matrix square roots run after the features are released.

@@ -32,7 +32,7 @@ from dit import get_model
 from edm import EDMPrecond
 from edm.sampler import StackedRandomGenerator
 from evaluations.features import compute_features
-from evaluations.inception import load_inception
+from evaluations.inception_weights import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from generation.generate import make_sampler
 

@@ -12,7 +12,8 @@ pytest.importorskip("diffusers")
 import test_diffusers_compile as compile_checks  # noqa: E402
 import test_diffusers_tread as shared  # noqa: E402
 import test_diffusers_versions as versions  # noqa: E402
-from lab.diffusers_tiny import B, blocks_of, bound, build, minimax_layout  # noqa: E402
+from lab.diffusers_tiny import B, blocks_of, bound, build  # noqa: E402
+from lab.diffusers_tiny_sequence_families import minimax_layout  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 

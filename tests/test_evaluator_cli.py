@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import fid as fid_cli  # noqa: E402
-from evaluations import evaluator, inception  # noqa: E402
+from evaluations import evaluator, inception_weights  # noqa: E402
 from evaluations.evaluator import evaluate, metrics_from_features  # noqa: E402
 from data.images import latents_to_uint8  # noqa: E402
 from evaluations.features import NpzImages, compute_features  # noqa: E402
@@ -25,9 +25,9 @@ FIVE_LINES = [r"Inception Score: \S+", r"FID: \S+", r"sFID: \S+", r"Precision: \
 
 def _offline_env(tmp_path, **extra):
     env = dict(os.environ)
-    env.pop(inception.WEIGHTS_ENV, None)
+    env.pop(inception_weights.WEIGHTS_ENV, None)
     # one thread: on a shared 2-core machine, oversubscribed torch/BLAS threads are several times slower
-    env.update({"TORCH_HOME": str(tmp_path / "torch"), "HOME": str(tmp_path), inception.OFFLINE_ENV: "1",
+    env.update({"TORCH_HOME": str(tmp_path / "torch"), "HOME": str(tmp_path), inception_weights.OFFLINE_ENV: "1",
                 "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, **extra)
     return env
 
@@ -136,10 +136,10 @@ def test_evaluator_bad_inputs_in_process(tmp_path, batches, capsys):
 def test_evaluator_weights_missing_offline_in_process(tmp_path, batches, capsys, monkeypatch):
     for key, value in _offline_env(tmp_path).items():
         monkeypatch.setenv(key, value)
-    monkeypatch.delenv(inception.WEIGHTS_ENV, raising=False)
+    monkeypatch.delenv(inception_weights.WEIGHTS_ENV, raising=False)
     ref, sample = batches
     _expect_user_error(capsys, evaluator.main, [str(ref), str(sample)],
-                       re.escape(inception.WEIGHTS_FILENAME) + ".*" + re.escape(inception.WEIGHTS_URL))
+                       re.escape(inception_weights.WEIGHTS_FILENAME) + ".*" + re.escape(inception_weights.WEIGHTS_URL))
 
 
 @pytest.mark.parametrize("case", ["not_npz", "weights_offline", "tf_backend"])
@@ -150,7 +150,7 @@ def test_evaluator_bad_inputs_as_subprocess(case, tmp_path, batches):
         bad.write_bytes(b"\x00\x01garbage")
         args, match = [str(ref), str(bad)], r"not an \.npz"
     elif case == "weights_offline":
-        args, match = [str(ref), str(sample)], re.escape(inception.WEIGHTS_FILENAME) + ".*--weights"
+        args, match = [str(ref), str(sample)], re.escape(inception_weights.WEIGHTS_FILENAME) + ".*--weights"
     else:
         try:
             import tensorflow  # noqa: F401

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tread_utils.errors import UserError  # noqa: E402
-from evaluations import inception  # noqa: E402
-from evaluations.inception import (count_parameters, load_inception,  # noqa: E402
-                                   random_init_inception, tf1_resize_bilinear)
+from evaluations import inception, inception_weights  # noqa: E402
+from evaluations.inception import count_parameters, random_init_inception, tf1_resize_bilinear  # noqa: E402
+from evaluations.inception_weights import load_inception  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +117,14 @@ def test_forward_shapes_logits_and_spatial_order(model):
 
 def test_load_weights_from_path_and_env(tmp_path, monkeypatch, model):
     """A weights file whose sha256 has the expected prefix (patched to this file's) loads, tensor for tensor."""
-    path = tmp_path / inception.WEIGHTS_FILENAME
+    path = tmp_path / inception_weights.WEIGHTS_FILENAME
     torch.save(model.state_dict(), path)
-    monkeypatch.setattr(inception, "WEIGHTS_SHA256_PREFIX", hashlib.sha256(path.read_bytes()).hexdigest()[:8])
+    monkeypatch.setattr(inception_weights, "WEIGHTS_SHA256_PREFIX", hashlib.sha256(path.read_bytes()).hexdigest()[:8])
     loaded = load_inception(path, device="cpu")
     for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), k
-    monkeypatch.setenv(inception.WEIGHTS_ENV, str(path))
-    assert inception.resolve_inception_weights() == path
+    monkeypatch.setenv(inception_weights.WEIGHTS_ENV, str(path))
+    assert inception_weights.resolve_inception_weights() == path
     bad = tmp_path / "bad.pth"
     torch.save({"fc.weight": torch.zeros(3)}, bad)
     with pytest.raises(UserError, match="not the FID Inception state dict"):
@@ -133,53 +133,54 @@ def test_load_weights_from_path_and_env(tmp_path, monkeypatch, model):
 
 def test_weights_with_another_checksum_are_refused_in_one_line(tmp_path):
     """A local file that is not the published one (sha256 prefix 6726825d) is refused before it is read."""
-    path = tmp_path / inception.WEIGHTS_FILENAME
+    path = tmp_path / inception_weights.WEIGHTS_FILENAME
     path.write_bytes(b"not the FID Inception weights")
     with pytest.raises(UserError) as info:
         load_inception(path, device="cpu")
     msg = str(info.value)
     assert "\n" not in msg and "sha256" in msg and hashlib.sha256(path.read_bytes()).hexdigest()[:16] in msg
-    assert inception.WEIGHTS_SHA256_PREFIX in msg and inception.WEIGHTS_URL in msg
+    assert inception_weights.WEIGHTS_SHA256_PREFIX in msg and inception_weights.WEIGHTS_URL in msg
 
 
 def test_download_is_checksum_verified(tmp_path, monkeypatch):
     """A download with the wrong sha256 is refused in one line and leaves no file behind; one with the
     expected prefix (patched to the served bytes') is kept in the cache folder."""
     served = b"bytes the fake server sends"
-    monkeypatch.delenv(inception.WEIGHTS_ENV, raising=False)
-    monkeypatch.delenv(inception.OFFLINE_ENV, raising=False)
+    monkeypatch.delenv(inception_weights.WEIGHTS_ENV, raising=False)
+    monkeypatch.delenv(inception_weights.OFFLINE_ENV, raising=False)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(inception.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(served))
+    monkeypatch.setattr(inception_weights.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(served))
     cache = tmp_path / "torch" / "hub" / "checkpoints"
     with pytest.raises(UserError, match="download is corrupt") as info:
-        inception.resolve_inception_weights()
+        inception_weights.resolve_inception_weights()
     assert "\n" not in str(info.value) and not any(cache.iterdir())
-    monkeypatch.setattr(inception, "WEIGHTS_SHA256_PREFIX", hashlib.sha256(served).hexdigest()[:8])
-    assert inception.resolve_inception_weights() == cache / inception.WEIGHTS_FILENAME
-    assert [p.name for p in cache.iterdir()] == [inception.WEIGHTS_FILENAME]
-    assert (cache / inception.WEIGHTS_FILENAME).read_bytes() == served
+    monkeypatch.setattr(inception_weights, "WEIGHTS_SHA256_PREFIX", hashlib.sha256(served).hexdigest()[:8])
+    assert inception_weights.resolve_inception_weights() == cache / inception_weights.WEIGHTS_FILENAME
+    assert [p.name for p in cache.iterdir()] == [inception_weights.WEIGHTS_FILENAME]
+    assert (cache / inception_weights.WEIGHTS_FILENAME).read_bytes() == served
 
 
 def test_cache_dir_lookup(tmp_path, monkeypatch):
-    monkeypatch.delenv(inception.WEIGHTS_ENV, raising=False)
+    monkeypatch.delenv(inception_weights.WEIGHTS_ENV, raising=False)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    cached = tmp_path / "torch" / "hub" / "checkpoints" / inception.WEIGHTS_FILENAME
+    cached = tmp_path / "torch" / "hub" / "checkpoints" / inception_weights.WEIGHTS_FILENAME
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"x")
-    assert inception.resolve_inception_weights() == cached
+    assert inception_weights.resolve_inception_weights() == cached
 
 
 def test_missing_weights_offline_is_one_clear_line(tmp_path, monkeypatch):
-    monkeypatch.delenv(inception.WEIGHTS_ENV, raising=False)
+    monkeypatch.delenv(inception_weights.WEIGHTS_ENV, raising=False)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv(inception.OFFLINE_ENV, "1")
+    monkeypatch.setenv(inception_weights.OFFLINE_ENV, "1")
     with pytest.raises(UserError) as info:
         load_inception(device="cpu", weights_option="--weights PATH")  # the caller's spelling, named by the error
     msg = str(info.value)
     assert "\n" not in msg
-    for part in (inception.WEIGHTS_FILENAME, inception.WEIGHTS_URL, "--weights", inception.WEIGHTS_ENV):
+    for part in (inception_weights.WEIGHTS_FILENAME, inception_weights.WEIGHTS_URL, "--weights",
+                 inception_weights.WEIGHTS_ENV):
         assert part in msg
     with pytest.raises(UserError, match="does not exist"):
         load_inception(tmp_path / "nope.pth", device="cpu")

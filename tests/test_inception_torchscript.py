@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from evaluations import inception
 from evaluations.evaluator import metrics_from_features
 from evaluations.features import compute_features
-from evaluations.inception import InceptionV3FID, load_inception, preprocess_uint8_nhwc
-from evaluations.inception_torchscript import BLOCKS, map_nvlabs_state
+from evaluations.inception import InceptionV3FID, preprocess_uint8_nhwc
+from evaluations.inception_torchscript import BLOCKS, is_torchscript, map_nvlabs_state
+from evaluations.inception_weights import load_inception
 from evaluations.metrics import feature_statistics
 from tread_utils.errors import UserError
 
@@ -157,4 +157,4 @@ def test_fid_py_with_the_torchscript(photos, scripted_features, tmp_path):
         mu, sigma = feature_statistics(scripted_features[0])
         np.testing.assert_allclose(ref["mu"], mu, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(ref["sigma"], sigma, rtol=1e-4, atol=1e-6)
-    assert inception.is_torchscript(WEIGHTS) and not inception.is_torchscript(tmp_path / "a.npz")
+    assert is_torchscript(WEIGHTS) and not is_torchscript(tmp_path / "a.npz")

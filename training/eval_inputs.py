@@ -23,7 +23,7 @@ def scoring_tag(cfg) -> str:
 
 def check_inception_weights(weights):
     """The Inception weights file is here, or can be downloaded now; else one line naming the key."""
-    from evaluations import inception as I
+    from evaluations import inception_weights as I
 
     try:
         I.resolve_inception_weights(weights, allow_download=False)

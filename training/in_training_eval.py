@@ -28,7 +28,7 @@ from data.digits import load_digits_split
 from evaluations.digits_classifier import class_accuracy, digits_reference_statistics, load_digits_classifier
 from evaluations.evaluator import metrics_from_features, reference_from_npz
 from evaluations.distributed_features import compute_features_distributed
-from evaluations.inception import load_inception
+from evaluations.inception_weights import load_inception
 from evaluations.metrics import feature_statistics, frechet_distance
 from evaluations.reference_check import few_samples_warning
 from generation import build_guided_net, generate, save_image_grid
