@@ -38,15 +38,16 @@ def compile_blocks(transformer, **options) -> int:
     the transformer has it on; returns the number of blocks. A block compiled already is left as it is, so a
     second call changes nothing."""
     blocks = [block for name in family_of(transformer).block_lists for block in getattr(transformer, name)]
-    checkpointed = {}  # block class -> its forward under a checkpoint (one code object, one graph cache, per class)
+    checkpointed = {}  # forward function -> it under a checkpoint (one code object, so one graph cache, each)
     for block in blocks:
         if getattr(block.forward, "_tread_compiled", False) or hasattr(block.forward, "_torchdynamo_orig_callable"):
             continue
         forward = block.forward
         plain = torch.compile(forward, **options)
-        if getattr(forward, "__self__", None) is block:  # the class's forward, not one a library put on the block
-            cls = type(block)
-            inner = checkpointed.setdefault(cls, _under_checkpoint(cls, forward.__func__))
+        if getattr(forward, "__self__", None) is block:  # a method of the block, not a library's wrapper around it
+            if forward.__func__ not in checkpointed:
+                checkpointed[forward.__func__] = _under_checkpoint(type(block), forward.__func__)
+            inner = checkpointed[forward.__func__]
             block.forward = _dispatching(forward, plain, torch.compile(types.MethodType(inner, block), **options))
         else:
             block.forward = plain
