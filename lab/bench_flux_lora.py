@@ -20,7 +20,7 @@ own wall time is not the step's).
 """
 import torch
 
-from lab.bench_timing import profile_step
+from lab.bench_timing import peak_memory_mb, profile_step
 from tools.diffusers_toy import pack, random_flux, routed_vs_unrouted, training_step
 from tread_diffusers import apply_tread, compile_blocks
 
@@ -80,19 +80,21 @@ def flux_lora_rows(size: str, batch_sizes, compiled_modes, routes: dict, rounds:
         runs += [(True, checkpoint, batch_sizes[0]) for checkpoint in ("around blocks", "in graphs")
                  if checkpoint == "in graphs" or checkpoint_outside]
     for compiled, checkpoint, batch in runs:
-        if compiled and checkpoint == "around blocks":  # compiled while checkpointing is off: it stays outside
-            model.disable_gradient_checkpointing()
-            compile_blocks(model, dynamic=False, mode=compile_mode)
-            model.enable_gradient_checkpointing()
-        elif compiled:
+        if compiled:
+            around = checkpoint == "around blocks"  # compiled while checkpointing is off: it stays outside the graphs
+            if around:
+                model.disable_gradient_checkpointing()
             compile_blocks(model, dynamic=False, mode=compile_mode)  # the ratio is fixed: so are the routed shapes
+            if around:
+                model.enable_gradient_checkpointing()
         draw = batches(size, batch, device, dtype)
-        if device.type == "cuda":
+        gpu = device.type == "cuda"
+        if gpu:
             torch.cuda.reset_peak_memory_stats()
         result = routed_vs_unrouted(model, routes, draw, optimizer, rounds=rounds, steps=steps,
                                     flops=counted.get(batch))
-        if device.type == "cuda":  # the larger of the unrouted and the routed step's
-            result["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+        if gpu:  # the larger of the unrouted and the routed step's
+            result["peak_mem_mb"] = peak_memory_mb(device)
         counted[batch] = {False: result["flops_unrouted"], True: result["flops_routed"]}
         if profile:
             result["profile_routed"] = profiled_routed_step(model, routes, draw, optimizer, device)

@@ -53,8 +53,9 @@ def compile_blocks(transformer, **options) -> int:
             block.forward = plain
     if getattr(transformer, "gradient_checkpointing", False):
         func = getattr(transformer, "_gradient_checkpointing_func", None)
+        func = getattr(func, "_tread_original", func)  # under the routing's replay wrapper (tread.py), if any
         if func is not None and not getattr(func, "_tread_in_graph", False):
-            transformer._gradient_checkpointing_func = _checkpoint_in_graph(getattr(func, "_tread_original", func))
+            transformer._gradient_checkpointing_func = _checkpoint_in_graph(func)
     return len(blocks)
 
 
