@@ -28,7 +28,7 @@ import types
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tread_diffusers.families import family_of
+from tread_diffusers.families import family_blocks
 
 _CHECKPOINTING = contextvars.ContextVar("tread_compiled_checkpoint", default=False)
 
@@ -37,7 +37,7 @@ def compile_blocks(transformer, **options) -> int:
     """torch.compile every block's forward (keywords go to torch.compile), gradient checkpointing inside it where
     the transformer has it on; returns the number of blocks. A block compiled already is left as it is, so a
     second call changes nothing."""
-    blocks = [block for name in family_of(transformer).block_lists for block in getattr(transformer, name)]
+    blocks = family_blocks(transformer)
     checkpointed = {}  # forward function -> it under a checkpoint (one code object, so one graph cache, each)
     for block in blocks:
         if getattr(block.forward, "_tread_compiled", False) or hasattr(block.forward, "_torchdynamo_orig_callable"):

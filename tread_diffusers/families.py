@@ -436,3 +436,8 @@ def family_of(transformer) -> Family:
             return family
     raise UserError(f"apply_tread does not support {type(transformer).__name__}; supported diffusers "
                     f"transformers: {', '.join(FAMILIES)}")
+
+
+def family_blocks(transformer) -> list:
+    """The transformer's blocks in route-index order: its family's block lists, one after the other."""
+    return [block for name in family_of(transformer).block_lists for block in getattr(transformer, name)]

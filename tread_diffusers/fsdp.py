@@ -10,12 +10,10 @@ torch stream, and under gradient checkpointing the recomputed block replays the 
 (tread_diffusers/tread.py), so a rank routes as it would unsharded and the gradients are the mean over the
 ranks' batches (tests/test_fsdp.py checks them against one process).
 """
-from tread_diffusers.families import family_of
+from tread_diffusers.families import family_blocks
 from tread_utils.distributed import fully_shard_blocks
 
 
 def shard_blocks(transformer, **options):
     """`fully_shard(block, **options)` for every block, then the transformer; returns the number of blocks."""
-    lists = family_of(transformer).block_lists
-    return fully_shard_blocks(transformer, (block for name in lists for block in getattr(transformer, name)),
-                              **options)
+    return fully_shard_blocks(transformer, family_blocks(transformer), **options)
