@@ -1,8 +1,8 @@
 """The route probe's fine-tuning check: does the probe's route fine-tune as well as SimpleTuner's settings?
 
-    python -m tools.route_probe_finetune pretrain --out /tmp/probe_flux
+    python -m lab.route_probe_finetune pretrain --out /tmp/probe_flux
     python -m tools.route_probe /tmp/probe_flux/transformer --data /tmp/probe_flux/inputs.pt --out probe/ ...
-    python -m tools.route_probe_finetune lora --model /tmp/probe_flux/transformer --routes 2:10:0.5,3:8:0.4 \
+    python -m lab.route_probe_finetune lora --model /tmp/probe_flux/transformer --routes 2:10:0.5,3:8:0.4 \
         --seeds 0,1,2 --budget 150 --out finetune/
 
 `pretrain` trains the LoRA example's FLUX architecture (tools/diffusers_toy.py), deepened to 2 dual-stream + 10
@@ -11,7 +11,7 @@ packed tokens, the class name as text), every weight trained; it writes the tran
 file: the fine-tuning data, digits 5-9. `lora` fine-tunes LoRA adapters on digits 5-9 with each route and seed
 at equal FLOPs (`--budget` unrouted steps' worth: a route with FLOP-bound speed-up b trains round(budget x b)
 steps) and reports the unrouted loss on held-out digits 5-9 before and after (fixed noise, as the example's), and
-the quality of digits 5-9 sampled from each fine-tuned model and from the pretrained one (tools/route_probe_samples.py):
+the quality of digits 5-9 sampled from each fine-tuned model and from the pretrained one (lab/route_probe_samples.py):
 class accuracy and FID by the digits classifier.
 """
 import json
@@ -26,7 +26,7 @@ from data.digits import load_digits_split
 from evaluations.digits_classifier import load_digits_classifier
 from tools.diffusers_toy import FixedTextEncoder, flow_matching_loss, pack, random_flux, step_flops
 from tools.finetune_lora import add_lora, eval_loss
-from tools.route_probe_samples import class_reference, real_digits, sample_digits, sample_labels, score
+from lab.route_probe_samples import class_reference, real_digits, sample_digits, sample_labels, score
 from tread_diffusers import apply_tread
 from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.errors import UserError, report_user_errors
@@ -235,7 +235,7 @@ def report(results: dict) -> list:
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m tools.route_probe_finetune", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m lab.route_probe_finetune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     pre = sub.add_parser("pretrain")
     pre.add_argument("--out", required=True)
@@ -259,7 +259,7 @@ def build_parser() -> ArgumentParser:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    args.command = "python -m tools.route_probe_finetune " + " ".join(argv)
+    args.command = "python -m lab.route_probe_finetune " + " ".join(argv)
     pretrain(args) if args.what == "pretrain" else lora(args)
 
 

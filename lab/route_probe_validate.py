@@ -1,13 +1,14 @@
 """Does the route probe predict anything? Its damage ranking against the toy study's trained outcomes.
 
-    python -m tools.route_probe_validate docs/results/route_probe/placement_step*/probe.json \
+    python -m lab.route_probe_validate docs/results/route_probe/placement_step*/probe.json \
         --out docs/results/route_probe/validation
 
 For each probe (one checkpoint step each): Spearman's rho between the damage of the study's placement routes
-and their final FIDs in the study's report (docs/results/study.md, read from the file), with an exact
-permutation p-value (all n! orderings); beside it, the same for the FLOP-bound speed-up alone, the baseline a
-probe must beat to say more than "longer routes cost more". Then the ratio question: the damage of one
-placement at each ratio of the study's ratio sweep against that sweep's final FIDs.
+and their final FIDs, read from the study's runs (docs/results/runs, each run's metrics.jsonl, as lab.study_report
+reads them for docs/results/study.md), with an exact permutation p-value (all n! orderings); beside it, the same
+for the FLOP-bound speed-up alone, the baseline a probe must beat to say more than "longer routes cost more". Then
+the ratio question: the damage of one placement at each ratio of the study's ratio sweep against that sweep's final
+FIDs.
 """
 import itertools
 import json
@@ -18,28 +19,15 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from lab.study_report import borrow_compare_runs, configurations, evaluations, final_values
+from tools.report import load_runs
 from tread_utils.cli import ArgumentParser
 from tread_utils.errors import UserError, report_user_errors
 
-STUDY = Path(__file__).resolve().parents[1] / "docs" / "results" / "study.md"
+REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / "docs" / "results" / "runs"
+STUDY_PARTS = ("placement", "ratio", "compare")  # compare lends the ratio sweep its ratio-0.5 runs, as in study.md
 ROUTE = re.compile(r"^tread (\d+)->(\d+) @ ([\d.]+)$")
-
-
-def table_after(text: str, heading: str) -> list:
-    """The rows (header -> cell) of the first markdown table after the line `heading`."""
-    lines = text.split("\n")
-    if heading not in lines:
-        raise UserError(f"{STUDY} has no section {heading!r}; rebuild the study's report")
-    i = lines.index(heading) + 1
-    while not lines[i].startswith("|"):
-        i += 1
-    header = [c.strip() for c in lines[i].strip("|").split("|")]
-    rows = []
-    for line in lines[i + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append(dict(zip(header, (c.strip() for c in line.strip().strip("|").split("|")))))
-    return rows
 
 
 def route_key(label: str):
@@ -47,13 +35,19 @@ def route_key(label: str):
     return None if m is None else (int(m.group(1)), int(m.group(2)), float(m.group(3)))
 
 
-def study_fids(text: str) -> tuple:
-    """({(start, end, ratio): final FID} of the placement sweep, the same of the ratio sweep (seed means))."""
-    placement = {route_key(r["route"]): float(r["final FID"]) for r in
-                 table_after(text, "### placement: each route at its final evaluation, best FID first")}
-    ratio = {route_key(r["configuration"]): float(r["final FID"].split("±")[0]) for r in
-             table_after(text, "## Selection ratio (final evaluation, mean ± std over seeds)")
-             if r["part"] == "ratio" and route_key(r["configuration"])}
+def study_fids(runs_dir: Path) -> tuple:
+    """({(start, end, ratio): final FID} of the placement sweep, the same of the ratio sweep (seed means)), from the
+    study's runs (each run's metrics.jsonl), read and grouped as lab.study_report reads them for study.md."""
+    parts = {}
+    for part in STUDY_PARTS:
+        if not (runs_dir / part).is_dir():
+            raise UserError(f"--runs {runs_dir} has no {part}/ folder of the toy study's runs (scripts/toy_study.sh)")
+        parts[part], _ = load_runs([str(runs_dir / part)])
+        for run in parts[part]:
+            run["evals"], run["untimed"] = evaluations(run), False
+    parts = borrow_compare_runs(parts)
+    placement, ratio = ({key: final_values(group, "fid")[0] for name, group in configurations(parts[part]).items()
+                         if (key := route_key(name))} for part in ("placement", "ratio"))
     return placement, ratio
 
 
@@ -68,9 +62,10 @@ def spearman_exact(x, y) -> tuple:
     return rho, float(np.mean(np.abs(rhos) >= abs(rho) - 1e-12))
 
 
-def validate(probes: list, text: str) -> dict:
-    placement, ratio = study_fids(text)
-    out = {"study": str(STUDY.relative_to(STUDY.parents[2])), "placement": [], "ratio": []}
+def validate(probes: list, runs_dir: Path) -> dict:
+    placement, ratio = study_fids(runs_dir)
+    where = runs_dir.resolve()
+    out = {"study": str(where.relative_to(REPO) if where.is_relative_to(REPO) else where), "placement": [], "ratio": []}
     for path, probe in probes:
         rows = {(r["start"], r["end"], r["ratio"]): r for r in probe["routes"]}
         missing = sorted(set(placement) - set(rows))
@@ -120,9 +115,11 @@ def markdown(result: dict) -> str:
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m tools.route_probe_validate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m lab.route_probe_validate", description=__doc__.split("\n\n")[0])
     p.add_argument("probes", nargs="+", help="probe.json files written by python -m tools.route_probe")
     p.add_argument("--out", required=True, help="folder for validation.json and validation.md")
+    p.add_argument("--runs", type=Path, default=RUNS,
+                   help="the toy study's runs, a folder per part (default: the committed ones, docs/results/runs)")
     return p
 
 
@@ -134,8 +131,8 @@ def main(argv=None):
         if not path.is_file():
             raise UserError(f"{path} does not exist; give the probe.json files of python -m tools.route_probe")
         probes.append((path, json.loads(path.read_text())))
-    result = {"command": "python -m tools.route_probe_validate " + " ".join(argv),
-              **validate(probes, STUDY.read_text())}
+    result = {"command": "python -m lab.route_probe_validate " + " ".join(argv),
+              **validate(probes, args.runs)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "validation.json").write_text(json.dumps(result, indent=1) + "\n")

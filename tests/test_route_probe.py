@@ -195,7 +195,7 @@ def test_bad_arguments_from_the_command_line(dit_folder, tmp_path):
 def test_spearman_exact_permutation_p():
     from scipy import stats
 
-    from tools.route_probe_validate import spearman_exact
+    from lab.route_probe_validate import spearman_exact
 
     assert spearman_exact([1, 2, 3, 4, 5], [10, 20, 30, 40, 50]) == (pytest.approx(1.0), pytest.approx(2 / 120))
     x, y = [0.3, 0.1, 0.5, 0.2, 0.9, 0.4], [3.0, 1.0, 2.0, 6.0, 5.0, 4.0]
@@ -222,7 +222,7 @@ def test_finetune_check_runs_accumulate_in_chunks(tmp_path):
     """The fine-tuning check's runs at equal FLOPs: a route trains budget x its FLOP bound steps, runs from
     several commands (one route each) end in one table with the samples' scores, a finished run is not redone and
     other settings are refused rather than mixed in."""
-    from tools import route_probe_finetune
+    from lab import route_probe_finetune
 
     route_probe_finetune.main(["pretrain", "--out", str(tmp_path), "--steps", "1"])
     args = ["lora", "--model", str(tmp_path / "transformer"), "--seeds", "0", "--budget", "2", "--batch-size", "4",
@@ -252,7 +252,7 @@ def test_finetune_check_runs_accumulate_in_chunks(tmp_path):
 
 def test_digits_sampled_from_a_tiny_flux_are_deterministic_for_a_seed():
     from tools.diffusers_toy import FixedTextEncoder, pack
-    from tools.route_probe_samples import sample_digits, unpack
+    from lab.route_probe_samples import sample_digits, unpack
 
     x = torch.randn(3, 1, 16, 16)
     assert torch.equal(unpack(pack(x)), x)
@@ -275,7 +275,7 @@ class TopLeftPixel(torch.nn.Module):
 def test_class_accuracy_and_fid_of_known_images():
     from data.digits import load_digits_split
     from evaluations.digits_classifier import class_accuracy, load_digits_classifier
-    from tools.route_probe_samples import class_reference, score
+    from lab.route_probe_samples import class_reference, score
 
     images = torch.zeros(4, 16, 16, 3, dtype=torch.uint8)
     images[:, 0, 0] = torch.tensor([100, 120, 140, 160])[:, None]  # classes 5, 6, 7, 8
