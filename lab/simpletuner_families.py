@@ -1,19 +1,21 @@
 """The families the SimpleTuner harness (lab/simpletuner_models.py) runs, one entry each, and what it knows of the
-rest: SimpleTuner's file and class per family, our block lists, and the tiny model (lab/diffusers_tiny.py's, so
-the harness and the family checks build the same models); the families both route that cannot be run, and why
+rest: SimpleTuner's file and class per family, our block lists (its Family's), and the tiny model
+(lab/diffusers_tiny_models.py's, which the family checks build too); the families both route that cannot be run, and why
 SimpleTuner's file fails or differs where it does (read from its commit bc8e6ab, each difference isolated by a run).
 """
 import torch
 
-from lab import diffusers_tiny
+from lab import diffusers_tiny_models
+from tread_diffusers.families import FAMILIES as ROUTED
+from tread_diffusers.tread import apply_tread  # noqa: F401  (importing registers every family in ROUTED)
 
-B = diffusers_tiny.B
+B = diffusers_tiny_models.B
 
 
 def tiny(name: str):
-    """lab/diffusers_tiny.py's model and inputs for `name` (its token grid is not needed here)."""
+    """lab/diffusers_tiny_models.py's model and inputs for `name` (its token grid is not needed here)."""
     def build():
-        model, inputs, _ = diffusers_tiny.FAMILIES[name]()
+        model, inputs, _ = getattr(diffusers_tiny_models, name)()
         return model, inputs
     return build
 
@@ -27,7 +29,7 @@ def with_inputs(build, **extra):
 
 
 def _qwen():
-    """Qwen-Image with four blocks (the layouts' count; diffusers_tiny's has three)."""
+    """Qwen-Image with four blocks (the layouts' count; the family checks' has three)."""
     from diffusers import QwenImageTransformer2DModel
     model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=4,
                                         attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
@@ -64,34 +66,38 @@ def _minimax():
     return model, dict(inputs, return_dict=False)
 
 
-def _blocks(name: str) -> tuple:
-    return diffusers_tiny.BLOCK_LISTS[name]
+def entry(folder: str, cls_name: str, build) -> tuple:
+    """A FAMILIES row: our block lists are the class's Family's, in numbering order."""
+    return folder, cls_name, ROUTED[cls_name].block_lists, build
+
+
+def routed_argument(name: str) -> str:
+    """The block argument that holds the tokens our side routes (its Family's `tokens`)."""
+    return ROUTED[FAMILIES[name][1]].tokens
 
 
 # name: (SimpleTuner's folder under simpletuner/helpers/models/, or folder/file where its file is not transformer.py;
 # its class; our block lists in numbering order; the tiny model and inputs). Every model has four routable blocks
 # (FLUX-like: two lists of two).
 FAMILIES = {
-    "flux": ("flux", "FluxTransformer2DModel", _blocks("flux"), tiny("flux")),
-    "sd3": ("sd3", "SD3Transformer2DModel", _blocks("sd3"), tiny("sd3")),
-    "pixart": ("pixart", "PixArtTransformer2DModel", _blocks("pixart"), tiny("pixart")),
-    "auraflow": ("auraflow", "AuraFlowTransformer2DModel", _blocks("auraflow"), tiny("auraflow")),
-    "wan": ("wan", "WanTransformer3DModel", _blocks("wan"), tiny("wan")),
-    "chroma": ("chroma", "ChromaTransformer2DModel", _blocks("chroma"), tiny("chroma")),
-    "qwen": ("qwen_image", "QwenImageTransformer2DModel", _blocks("qwen"), _qwen),
-    "ltx": ("ltxvideo", "LTXVideoTransformer3DModel", _blocks("ltx"), tiny("ltx")),
-    "zimage": ("z_image", "ZImageTransformer2DModel", _blocks("zimage"), tiny("zimage")),
-    "krea2": ("krea2", "Krea2Transformer2DModel", _blocks("krea2"), tiny("krea2")),
-    "cosmos": ("cosmos", "CosmosTransformer3DModel", _blocks("cosmos"), tiny("cosmos")),
-    "kandinsky": ("kandinsky5_video/transformer_kandinsky5", "Kandinsky5Transformer3DModel", _blocks("kandinsky"),
-                  tiny("kandinsky")),
-    "flux2": ("flux2", "Flux2Transformer2DModel", _blocks("flux2"), tiny("flux2")),
+    "flux": entry("flux", "FluxTransformer2DModel", tiny("flux")),
+    "sd3": entry("sd3", "SD3Transformer2DModel", tiny("sd3")),
+    "pixart": entry("pixart", "PixArtTransformer2DModel", tiny("pixart")),
+    "auraflow": entry("auraflow", "AuraFlowTransformer2DModel", tiny("auraflow")),
+    "wan": entry("wan", "WanTransformer3DModel", tiny("wan")),
+    "chroma": entry("chroma", "ChromaTransformer2DModel", tiny("chroma")),
+    "qwen": entry("qwen_image", "QwenImageTransformer2DModel", _qwen),
+    "ltx": entry("ltxvideo", "LTXVideoTransformer3DModel", tiny("ltx")),
+    "zimage": entry("z_image", "ZImageTransformer2DModel", tiny("zimage")),
+    "krea2": entry("krea2", "Krea2Transformer2DModel", tiny("krea2")),
+    "cosmos": entry("cosmos", "CosmosTransformer3DModel", tiny("cosmos")),
+    "kandinsky": entry("kandinsky5_video/transformer_kandinsky5", "Kandinsky5Transformer3DModel", tiny("kandinsky")),
+    "flux2": entry("flux2", "Flux2Transformer2DModel", tiny("flux2")),
     # the frame rate given: its RoPE's default is 25 fps in SimpleTuner's copy, 24 in diffusers'
-    "ltx2": ("ltxvideo2", "LTX2VideoTransformer3DModel", _blocks("ltx2"),
-             with_inputs(tiny("ltx2"), fps=24.0)),
+    "ltx2": entry("ltxvideo2", "LTX2VideoTransformer3DModel", with_inputs(tiny("ltx2"), fps=24.0)),
     # compared by lab/simpletuner_joint.py: SimpleTuner selects over the blocks' whole sequence
-    "ernie": ("ernie", "ErnieImageTransformer2DModel", _blocks("ernie"), _ernie),
-    "minimax": ("minimaxh3", "MiniMaxH3Transformer3DModel", _blocks("minimax"), _minimax),
+    "ernie": entry("ernie", "ErnieImageTransformer2DModel", _ernie),
+    "minimax": entry("minimaxh3", "MiniMaxH3Transformer3DModel", _minimax),
 }
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from lab.simpletuner_families import B, CAUSES, FAMILIES, LEAVES, REPLAY, image_first, source_file
-from lab.diffusers_tiny import TOKENS
+from lab.simpletuner_families import (B, CAUSES, FAMILIES, LEAVES, REPLAY, image_first, routed_argument,
+                                      source_file)
 from tread_diffusers import apply_tread, tread
 
 # Modules SimpleTuner's transformer files import at the top but never call on the path run here (SDPA attention,
@@ -144,7 +144,7 @@ def difference(a, b) -> tuple:
 
 def unrouted(name: str, model, inputs: dict) -> tuple:
     """The unrouted training-mode result and each block's hidden_states length."""
-    seen, hooks = block_lengths(model, FAMILIES[name][2], TOKENS.get(name, "hidden_states"))
+    seen, hooks = block_lengths(model, FAMILIES[name][2], routed_argument(name))
     try:
         return run(model, inputs, LEAVES.get(name, ("hidden_states", "encoder_hidden_states"))), dict(seen)
     finally:
@@ -157,7 +157,7 @@ def compare_layout(name: str, ours, theirs, module, inputs: dict, routes: list, 
     `full`, each side's unrouted block lengths)."""
     block_lists, extra = FAMILIES[name][2], extra or {}
     inputs = {**inputs, **extra.get("inputs", {})}
-    key, leaves = TOKENS.get(name, "hidden_states"), LEAVES.get(name, ("hidden_states", "encoder_hidden_states"))
+    key, leaves = routed_argument(name), LEAVES.get(name, ("hidden_states", "encoder_hidden_states"))
     counts, their_len = [], block_lengths(theirs, block_lists, key)
     ours_len = ({}, [])
     try:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from lab.diffusers_tiny import B, blocks_of, build  # noqa: E402
+from diffusers_tiny import B, blocks_of, build  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_flux_routed_blocks_get_the_text_and_kept_parts_of_the_mask():
     and the kept image tokens' columns (rows too for a square mask), gathered by hand here."""
     model, inputs, grid = build("flux")
     tokens = grid[0] * grid[1]
-    blocks = blocks_of("flux", model)
+    blocks = blocks_of(model)
     handle = apply_tread(model, {"routes": ROUTES["flux"]})
     seen = {}
     for i, block in enumerate(blocks):
@@ -90,7 +90,7 @@ def test_flux_routed_blocks_get_the_text_and_kept_parts_of_the_mask():
 
 def test_pixart_routed_blocks_get_the_kept_part_of_the_image_mask():
     model, inputs, grid = build("pixart")
-    blocks = blocks_of("pixart", model)
+    blocks = blocks_of(model)
     handle = apply_tread(model, {"routes": ROUTES["pixart"]})
     seen = {}
     blocks[2].register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)

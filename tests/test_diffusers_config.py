@@ -4,7 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from lab.diffusers_tiny import build  # noqa: E402
+from diffusers_tiny import build  # noqa: E402
 from routing_module import RouteError, num_kept, resolve_routes  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_diffusers.tread import routes_from_config  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from lab.diffusers_tiny import B, blocks_of, build  # noqa: E402
+from diffusers_tiny import B, blocks_of, build  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_diffusers.image_families import ZIMAGE_PATCH  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
@@ -20,7 +20,7 @@ def block_inputs_seen(name, model):
     """Hooks that keep, per block, the RoPE table its attention is given and the block's attention mask."""
     seen, hooks = {}, []
     attention, rope = ROPE[name]
-    for i, block in enumerate(blocks_of(name, model)):
+    for i, block in enumerate(blocks_of(model)):
         hooks.append(getattr(block, attention).register_forward_pre_hook(
             lambda m, a, k, i=i: seen.setdefault(i, {}).__setitem__("rope", k[rope]), with_kwargs=True))
         names = list(inspect.signature(block.forward).parameters)

@@ -8,7 +8,7 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 pytest.importorskip("diffusers")
-from lab.diffusers_tiny import B, blocks_of, build, reference_forward  # noqa: E402
+from diffusers_tiny import B, blocks_of, build, reference_forward  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_diffusers.families import check_reference_ids  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
@@ -29,7 +29,7 @@ def kontext():
 def test_reference_tokens_are_never_routed_and_the_routed_forward_equals_a_hand_built_one():
     model, inputs, _ = kontext()
     handle = apply_tread(model, ROUTE)  # before the hooks below: they see what each block is given
-    blocks = blocks_of("flux", model)
+    blocks = blocks_of(model)
     seen, hooks = {}, []
     for i, block in enumerate(blocks):
         hooks.append(block.register_forward_pre_hook(

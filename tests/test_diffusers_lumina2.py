@@ -17,7 +17,7 @@ pytest.importorskip("diffusers")
 import test_diffusers_tread as shared  # noqa: E402
 import test_diffusers_versions as versions  # noqa: E402
 from lab import bench_diffusers  # noqa: E402
-from lab.diffusers_tiny import B, bound, build  # noqa: E402
+from diffusers_tiny import B, bound, build  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from lab.diffusers_tiny import B, build  # noqa: E402
+from diffusers_tiny import B, build  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_diffusers.masks import mask_to_tokens, masked_loss, read_mask  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
-from lab.diffusers_tiny import build  # noqa: E402
+from diffusers_tiny import build  # noqa: E402
 from lab.bench_diffusers import quantized_lora  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 

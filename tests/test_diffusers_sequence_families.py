@@ -12,8 +12,8 @@ pytest.importorskip("diffusers")
 import test_diffusers_compile as compile_checks  # noqa: E402
 import test_diffusers_tread as shared  # noqa: E402
 import test_diffusers_versions as versions  # noqa: E402
-from lab.diffusers_tiny import B, blocks_of, bound, build  # noqa: E402
-from lab.diffusers_tiny_sequence_families import minimax_layout  # noqa: E402
+from diffusers_tiny import B, blocks_of, bound, build  # noqa: E402
+from diffusers_tiny_sequence import minimax_layout  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
@@ -25,13 +25,7 @@ ROPE = {"ernie": "rotary_pos_emb", "minimax": "rotary_emb"}
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_checks_every_family_gets(name, monkeypatch):
-    shared.test_off_ratio_zero_eval_no_grad_and_remove_are_bit_identical(name)
-    shared.test_every_token_and_parameter_gets_a_gradient(name)
-    shared.test_lora_only_adapters_train(name)
-    for checkpoint_func in (None, shared._checkpoint_fresh_rng):
-        shared.test_gradient_checkpointing_gives_the_same_gradients(name, checkpoint_func)
-    for how, rule in (("handle", "half"), ("forward", "half"), ("handle", "any")):
-        shared.test_masked_tokens_are_never_dropped(name, how, rule)
+    shared.run_the_checks_every_family_gets(name)
     versions.test_each_block_parameter_the_family_reads_is_checked(monkeypatch, name)
 
 
@@ -42,7 +36,7 @@ def batch_first(name, x):
 def block_inputs(name, model, inputs):
     """Every block's (bound) inputs in an unrouted pass."""
     seen, hooks = {}, []
-    for i, block in enumerate(blocks_of(name, model)):
+    for i, block in enumerate(blocks_of(model)):
         hooks.append(block.register_forward_pre_hook(lambda m, a, k, i=i: seen.__setitem__(i, bound(m, a, k)),
                                                      with_kwargs=True))
     with torch.no_grad():
@@ -84,7 +78,7 @@ def narrow_by_hand(name, kw, keep, lead, n):
 def reference_forward(name, model, inputs, keep, start, end, n):
     """The blocks from `start` run by hand on the kept tokens, which are scattered back after `end`: the last
     block's output [B, S, D]."""
-    seen, blocks = block_inputs(name, model, inputs), blocks_of(name, model)
+    seen, blocks = block_inputs(name, model, inputs), blocks_of(model)
     x = batch_first(name, seen[start][KEY[name]])
     lead = 0 if name == "ernie" else x.shape[1] - n
     rows = torch.arange(B)[:, None]
@@ -107,7 +101,7 @@ def test_routed_forward_matches_hand_built_reference(name):
     model, inputs, grid = build(name)
     n = math.prod(grid)
     handle = apply_tread(model, ROUTE)
-    blocks = blocks_of(name, model)
+    blocks = blocks_of(model)
     last, first_routed = {}, {}
     hooks = [blocks[-1].register_forward_hook(lambda m, a, out: last.__setitem__("x", batch_first(name, out))),
              blocks[1].register_forward_pre_hook(lambda m, a, k: first_routed.update(bound(m, a, k)), with_kwargs=True)]
@@ -133,7 +127,7 @@ def test_routed_forward_matches_hand_built_reference(name):
 def rope_seen(name, model):
     """Each block attention's RoPE (Ernie: [B, S, 1, head_dim]; MiniMax H3: cos [S, rotary_dim] or RowsRope)."""
     seen, hooks = {}, []
-    for i, block in enumerate(blocks_of(name, model)):
+    for i, block in enumerate(blocks_of(model)):
         if name == "ernie":
             hooks.append(block.self_attention.register_forward_pre_hook(
                 lambda m, a, k, i=i: seen.__setitem__(i, k["image_rotary_emb"]), with_kwargs=True))
@@ -180,7 +174,7 @@ def test_each_kept_token_keeps_its_rope_rows(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_negative_indices_count_from_the_last_block(name):
     model, inputs, _ = build(name)
-    blocks, axis = blocks_of(name, model), 0 if name == "ernie" else 1
+    blocks, axis = blocks_of(model), 0 if name == "ernie" else 1
     handle = apply_tread(model, {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -1}]})
     lengths = {}
     hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: lengths.__setitem__(

@@ -1,20 +1,21 @@
 """TREAD on diffusers transformers (tread_diffusers/tread.py): one set of checks per family, on tiny
 random models built offline, each routed forward compared with a reference gathered and scattered here."""
 import functools
+import inspect
 import math
 
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from lab.diffusers_tiny import (B, CHANNELS_LAST, IMAGE_FIRST, JOINT_ROPE, LORA_TARGETS, PACKED,  # noqa: E402
-                           ROPE_ATTENTION, TOKENS, VIDEO_FAMILIES, blocks_of, bound, build, reference_forward)
+from diffusers_tiny import (TINY, B, blocks_of, bound, build, packed, reference_forward,  # noqa: E402
+                            shared_checks, token_key)
 from tread_diffusers import apply_tread  # noqa: E402
+from tread_diffusers.families import family_of  # noqa: E402
 from tread_diffusers.tread import MISSING_ROUTES, masked_loss  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
-FAMILIES = ("flux", "flux2", "chroma", "qwen", "qwen_edit", "sd3", "pixart", "wan", "ltx", "hunyuan",
-            "auraflow", "zimage", "krea2") + VIDEO_FAMILIES
+FAMILIES = shared_checks()  # every tiny entry the checks here run on as they are (tests/diffusers_tiny_*.py)
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}  # FLUX: dual 1, single 0
 
 
@@ -30,11 +31,11 @@ def training_loss(model, inputs):
     return sum((torch.stack(p) if isinstance(p, list) else p).square().mean() for p in parts)  # Z-Image: a list
 
 
-def capture_image_output(name, block):
-    seen = {}
+def capture_image_output(model, block):
+    seen, image_first = {}, family_of(model).out_index == 0
 
     def hook(module, args, output):
-        seen["x"] = output if isinstance(output, torch.Tensor) else output[0 if name in IMAGE_FIRST else 1]
+        seen["x"] = output if isinstance(output, torch.Tensor) else output[0 if image_first else 1]
     return seen, block.register_forward_hook(hook)
 
 
@@ -86,8 +87,8 @@ def test_routed_forward_matches_hand_built_reference(name, variant):
         inputs["attention_mask"][1, 3:5] = False
     route = SINGLE_STREAM_ROUTE if variant == "single_stream" else ROUTE
     handle = apply_tread(model, route)
-    blocks = blocks_of(name, model)
-    last, hook = capture_image_output(name, blocks[-1])
+    blocks = blocks_of(model)
+    last, hook = capture_image_output(model, blocks[-1])
     model.train()
     run(model, inputs)
     hook.remove()
@@ -109,8 +110,8 @@ def test_routed_forward_matches_hand_built_reference(name, variant):
 def rope_tables_seen(name, model):
     """Hooks on every block's self-attention that keep the RoPE table it is given, per block."""
     seen, hooks = {}, []
-    attention, argument = ROPE_ATTENTION.get(name, (None, "image_rotary_emb"))
-    for i, block in enumerate(blocks_of(name, model)):
+    attention, argument = TINY[name].rope_attention
+    for i, block in enumerate(blocks_of(model)):
         attn = getattr(block, attention) if attention else block.attn1 if hasattr(block, "attn1") else block.attn
 
         def hook(module, args, kwargs, i=i):
@@ -119,31 +120,17 @@ def rope_tables_seen(name, model):
     return seen, hooks
 
 
-def angles_match(name, table, full, keep, text):
-    """Each kept token's rotary angles in a routed block equal those of its original position."""
-    if name in JOINT_ROPE:  # the routed block's table is per sample: [B, text + K, 1, head_dim]
-        table = table[None, :, None, :]
-        return all(torch.equal(table[b, :text, 0], full[:text])
-                   and torch.equal(table[b, text:, 0], full[text:][keep[b]]) for b in range(keep.shape[0]))
-    if name.startswith("qwen"):  # complex [B, K + R, 1, head_dim / 2]: kept target rows, then the references'
-        if isinstance(table, torch.Tensor):  # the text's table passes whole
-            return torch.equal(table, full)
-        table, k = table.unsqueeze(1)[:, :, 0], keep.shape[1]
-        n = full.shape[0] - (table.shape[1] - k)
-        return all(torch.equal(table[b, :k], full[keep[b]]) and torch.equal(table[b, k:], full[n:])
-                   for b in range(keep.shape[0]))
-    if name in ("hunyuan", "cosmos"):  # the video's rows only, [B, K, 1, head_dim]
-        table = table[None, :, None, :]
-        return all(torch.equal(table[b, :, 0], full[keep[b]]) for b in range(keep.shape[0]))
-    if name in ("ltx", "ltx2"):  # per sample already: [B, K, dim] from [B, N, dim]
-        return all(torch.equal(table[b], full[b, keep[b]]) for b in range(keep.shape[0]))
-    return all(torch.equal(table[b, :, 0], full[0, keep[b], 0]) for b in range(keep.shape[0]))
+def rope_cases():
+    """Every entry whose RoPE the check covers (`Tiny.angles`); a video family's at one frame and at three."""
+    cases = []
+    for name, tiny in TINY.items():
+        if tiny.angles is not None and not tiny.checked_by:
+            video = "frames" in inspect.signature(tiny.build).parameters
+            cases += [(name, 1), (name, 3)] if video else [(name, None)]
+    return cases
 
 
-@pytest.mark.parametrize("name,frames", [("flux", None), ("flux2", None), ("chroma", None), ("qwen", None),
-                                         ("qwen_edit", None), ("wan", 1), ("wan", 3), ("ltx", 1), ("ltx", 3),
-                                         ("hunyuan", 1), ("hunyuan", 3), ("krea2", None), ("cosmos", 1), ("cosmos", 3),
-                                         ("ltx2", 1), ("ltx2", 3)])
+@pytest.mark.parametrize("name,frames", rope_cases())
 def test_rope_each_kept_token_keeps_its_angles(name, frames):
     model, inputs, _ = build(name, **({} if frames is None else {"frames": frames}))
     seen, hooks = rope_tables_seen(name, model)
@@ -160,8 +147,9 @@ def test_rope_each_kept_token_keeps_its_angles(name, frames):
     for i, (cos, sin) in seen.items():
         if r.start_layer_idx <= i <= r.end_layer_idx:
             assert not torch.equal(keep[0], keep[1])  # each sample its own tokens and angles
-            assert angles_match(name, cos, full[i][0], keep, text) and angles_match(name, sin, full[i][1], keep, text)
-            assert not angles_match(name, cos, full[i][0], shuffled, text)
+            angles = TINY[name].angles
+            assert angles(cos, full[i][0], keep, text) and angles(sin, full[i][1], keep, text)
+            assert not angles(cos, full[i][0], shuffled, text)
         else:
             assert torch.equal(cos, full[i][0])
     for hook in hooks:
@@ -169,7 +157,7 @@ def test_rope_each_kept_token_keeps_its_angles(name, frames):
 
 
 def input_grads(name, model, inputs):
-    key = "x" if "x" in inputs else "hidden_states"  # Z-Image's latents are `x`
+    key = token_key(inputs)
     x = inputs[key].clone().requires_grad_(True)
     training_loss(model, dict(inputs, **{key: x})).backward()
     return x.grad
@@ -186,7 +174,8 @@ def test_every_token_and_parameter_gets_a_gradient(name):
     model.zero_grad(set_to_none=True)
     handle = apply_tread(model, {"routes": [{"selection_ratio": 0.7, "start_layer_idx": 0, "end_layer_idx": -1}]})
     grad = input_grads(name, model, inputs)
-    per_position = grad.abs().sum(-1 if name in PACKED + CHANNELS_LAST else 1)  # per token (FLUX) or per latent pixel
+    channels_last = packed(inputs) or TINY[name].channels_last
+    per_position = grad.abs().sum(-1 if channels_last else 1)  # per token (FLUX) or per latent pixel
     assert (per_position > 0).all()
     assert handle.last_keep[0].shape[1] < per_position.flatten(1).shape[1]  # tokens were dropped
     unused = {n for n, p in model.named_parameters() if p.grad is None}
@@ -199,7 +188,7 @@ def test_lora_only_adapters_train(name):
 
     model, inputs, _ = build(name)
     config = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                        target_modules=LORA_TARGETS.get(name, ["to_q", "to_k", "to_v"]))
+                        target_modules=list(TINY[name].lora_targets))
     if hasattr(model, "add_adapter"):
         model.add_adapter(config)
     else:  # PixArt has no PeftAdapterMixin: peft's own injection, base weights frozen by hand
@@ -271,7 +260,7 @@ def test_masked_tokens_are_never_dropped(name, how, rule):
     handle = apply_tread(model, {"routes": [{"selection_ratio": 0.75, "start_layer_idx": 0, "end_layer_idx": 1}]},
                          mask_rule=rule)
     image = (B, *[2 * g for g in grid]) if len(grid) == 2 else (B, grid[0], *[2 * g for g in grid[1:]])  # video
-    if name in PACKED:
+    if packed(inputs):
         image = (B, *grid)  # packed latents: one mask pixel per token
     mask = torch.rand(image) < 0.4
     tokens = tokens_by_hand(mask, grid, rule)
@@ -287,6 +276,18 @@ def test_masked_tokens_are_never_dropped(name, how, rule):
         assert tokens.any() and (kept | ~tokens).all()
 
 
+def run_the_checks_every_family_gets(name):
+    """The checks above that need no reference by hand, for an entry outside FAMILIES: one whose test file has the
+    reference its layout needs, or registers it."""
+    test_off_ratio_zero_eval_no_grad_and_remove_are_bit_identical(name)
+    test_every_token_and_parameter_gets_a_gradient(name)
+    test_lora_only_adapters_train(name)
+    for checkpoint_func in (None, _checkpoint_fresh_rng):
+        test_gradient_checkpointing_gives_the_same_gradients(name, checkpoint_func)
+    for how, rule in (("handle", "half"), ("forward", "half"), ("handle", "any")):
+        test_masked_tokens_are_never_dropped(name, how, rule)
+
+
 def test_masked_loss_weights_the_loss_by_the_mask():
     loss = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
     mask = torch.zeros(2, 8, 8, dtype=torch.bool)
@@ -297,23 +298,27 @@ def test_masked_loss_weights_the_loss_by_the_mask():
     assert masked_loss(tokens, token_mask).item() == pytest.approx(tokens[token_mask].mean().item())
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "chroma", "qwen_edit", "hunyuan", "sd3", "zimage", "krea2",
-                                  "cosmos", "kandinsky", "ltx2"])
-def test_negative_indices_count_from_the_last_block(name):
-    model, inputs, _ = build(name)
-    blocks, key = blocks_of(name, model), TOKENS.get(name, "hidden_states")
-    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -1}]})
-    lengths = {}
-    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: lengths.__setitem__(i, bound(m, a, k)[key]
-                                                                                .shape[1]), with_kwargs=True)
-             for i, b in enumerate(blocks)]
+def block_lengths(model, inputs):
+    """Each block's routed-argument length in one training-mode forward, by block index."""
+    key, lengths = family_of(model).tokens, {}
+    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: lengths.__setitem__(i, bound(m, a, k)[key].shape[1]),
+                                         with_kwargs=True) for i, b in enumerate(blocks_of(model))]
     model.train()
     run(model, inputs)
-    n = max(lengths.values())
-    assert [lengths[i] < n for i in range(len(blocks))] == [False] * (len(blocks) - 2) + [True, True]
-    assert (handle.routes[0].start_layer_idx, handle.routes[0].end_layer_idx) == (len(blocks) - 2, len(blocks) - 1)
     for hook in hooks:
         hook.remove()
+    return lengths
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_negative_indices_count_from_the_last_block(name):
+    model, inputs, _ = build(name)
+    blocks = blocks_of(model)
+    full = block_lengths(model, inputs)
+    handle = apply_tread(model, {"routes": [{"selection_ratio": 0.5, "start_layer_idx": -2, "end_layer_idx": -1}]})
+    routed = block_lengths(model, inputs)
+    assert [routed[i] < full[i] for i in range(len(blocks))] == [False] * (len(blocks) - 2) + [True, True]
+    assert (handle.routes[0].start_layer_idx, handle.routes[0].end_layer_idx) == (len(blocks) - 2, len(blocks) - 1)
 
 
 @pytest.mark.parametrize("routes,match", [
@@ -411,9 +416,9 @@ def test_rope_of_one_per_sample_table_each_kept_token_keeps_its_angles(name, fra
     """Families whose blocks get one RoPE tensor with a batch dimension (Kandinsky 5's rotation matrices
     [B, N, 1, head_dim / 2, 2, 2]): a routed block's attention sees each sample's kept rows, in the kept order."""
     model, inputs, _ = build(name, frames=frames)
-    attention, argument = ROPE_ATTENTION[name]
+    attention, argument = TINY[name].rope_attention
     seen, hooks = {}, []
-    for i, block in enumerate(blocks_of(name, model)):
+    for i, block in enumerate(blocks_of(model)):
         hooks.append(getattr(block, attention).register_forward_pre_hook(
             lambda m, a, k, i=i: seen.__setitem__(i, k[argument]), with_kwargs=True))
     model.eval()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from lab.diffusers_tiny import VIDEO_FAMILIES, build  # noqa: E402
+from diffusers_tiny import build, one_per_family, shared_checks  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
 from tread_diffusers.families import FAMILIES  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
@@ -70,7 +70,7 @@ def test_a_renamed_block_parameter_is_refused_naming_it(monkeypatch):
         apply_tread(model, ROUTE)
 
 
-@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+@pytest.mark.parametrize("name", one_per_family(shared_checks()))
 def test_each_block_parameter_the_family_reads_is_checked(monkeypatch, name):
     """The tested version attaches silently; a block without a parameter its family relies on is refused naming it."""
     model, _, _ = build(name)

@@ -72,7 +72,17 @@ def test_unsupported_values_are_refused_in_one_line(key, value, needle):
 
 
 def test_the_authors_model_keys_are_accepted():
-    get_model("DiT-T/2", {**DATA, "cond_mode": "adaln", "learn_sigma": False})
+    """Their values build the model the keys' absence builds: the same parameters and the same output."""
+    models = []
+    for extra in ({"cond_mode": "adaln", "learn_sigma": False}, {}):
+        torch.manual_seed(0)
+        models.append(get_model("DiT-T/2", {**DATA, **extra}).eval())
+    theirs, ours = (dict(m.state_dict()) for m in models)
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    g = torch.Generator().manual_seed(1)
+    x, t, y = torch.randn(2, 4, 32, 32, generator=g), torch.rand(2, generator=g), torch.tensor([3, 7])
+    out = models[0](x, t, y)
+    assert out.shape == x.shape and torch.equal(out, models[1](x, t, y))  # no variance channels: learn_sigma off
 
 
 @pytest.mark.skipif(not os.environ.get("TREAD_PAPER_CODE"), reason="set TREAD_PAPER_CODE=<clone of CompVis/tread>")

@@ -100,7 +100,17 @@ def test_routed_lightningdit_traces_into_one_graph_without_breaks():
     assert (found.graph_count, found.graph_break_count) == (1, 0), found.break_reasons
 
 
-def test_config_model_tread_with_a_lightningdit_backbone_trains(tmp_path):
+def test_config_model_tread_with_a_lightningdit_backbone_trains(tmp_path, monkeypatch):
+    """Two optimizer steps of LightningDiT blocks with the route 1 -> 2 at 0.5 in them: the blocks inside the route
+    see half the tokens, the loss is logged, and the checkpoint holds LightningDiT weights the steps moved."""
+    tokens = []
+    forward = lightningdit.LightningDiTBlock.forward
+
+    def counted(self, x, *args):
+        if x.device.type != "meta":  # not the FLOP report's passes
+            tokens.append(x.shape[1])
+        return forward(self, x, *args)
+    monkeypatch.setattr(lightningdit.LightningDiTBlock, "forward", counted)
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=[f"results_dir={tmp_path}", "run_name=ldit", "model=tread",
                                            "model.backbone_type=LightningDiT-T/2", *TINY_MODEL, *TINY_ROUTE,
@@ -111,4 +121,10 @@ def test_config_model_tread_with_a_lightningdit_backbone_trains(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "ldit" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert tokens == [64, 32, 32, 64] * 2, tokens  # 8 x 8 patches; blocks 1 and 2 inside the route
+    state = torch.load(tmp_path / "ldit" / "checkpoints" / "ckpt_00000002.pt", weights_only=False)
+    assert state["step"] == 2 and "blocks.0.mlp.w12.weight" in state["model"]
+    assert state["config"]["model"]["backbone_type"] == "LightningDiT-T/2"
+    moved = [k for k, v in state["model"].items() if not torch.equal(v, state["ema"][k])]
+    assert any(k.startswith("blocks.") for k in moved)  # the EMA lags the optimizer's steps
     assert DiT_models["LightningDiT-T/2"]["block_type"] == "lightningdit"

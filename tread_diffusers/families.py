@@ -204,7 +204,7 @@ def _no_narrow(kw: dict, keep: torch.Tensor) -> None:
     return None
 
 
-def _latent_grid(patch_key: str, spatial: int) -> Callable:
+def latent_grid(patch_key: str, spatial: int) -> Callable:
     """Token grid of a [B, C, (F,) H, W] latent input split into patches of config[patch_key]."""
     def grid(transformer, kw: dict) -> Tuple[int, ...]:
         patch = transformer.config[patch_key]
@@ -341,6 +341,7 @@ class Family:
     # parameters (the grid, the text length, the refused inputs) and each block list's forward parameters (the
     # routed tokens and the per-token inputs `narrow` cuts). A diffusers version whose code differs is refused.
     relies_on: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)  # "forward" or a block list -> names
+    name: str = ""                 # the family as the docs name it (docs/diffusers.md lists every one)
 
     def image(self, output, kind: str):
         return output if self.out_index is None or kind in self.tensor_lists else output[self.out_index]
@@ -356,19 +357,22 @@ FLUX_CONTROLNET = ("controlnet_block_samples", "controlnet_single_block_samples"
 _FLUX_BLOCK = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
 FAMILIES = {
     "PixArtTransformer2DModel": Family(("transformer_blocks",), None, _pixart_narrow,
-                                       _latent_grid("patch_size", 2),
+                                       latent_grid("patch_size", 2),
+                                       name="PixArt",
                                        relies_on={"forward": ("hidden_states", "attention_mask",
                                                               "encoder_hidden_states"),
                                                   "transformer_blocks": ("hidden_states",
                                                                          "attention_mask")}),
-    "SD3Transformer2DModel": Family(("transformer_blocks",), 1, _no_narrow, _latent_grid("patch_size", 2),
+    "SD3Transformer2DModel": Family(("transformer_blocks",), 1, _no_narrow, latent_grid("patch_size", 2),
                                     ("block_controlnet_hidden_states", "skip_layers"),
+                                    name="SD3",
                                     relies_on={"forward": ("hidden_states", "encoder_hidden_states",
                                                            "block_controlnet_hidden_states", "skip_layers"),
                                                "transformer_blocks": ("hidden_states", "encoder_hidden_states",
                                                                       "temb")}),
     "FluxTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, tail=_flux_tail,
                                      tail_ids="img_ids",
+                                     name="FLUX",
                                      relies_on={"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
                                                             "controlnet_block_samples",
                                                             "controlnet_single_block_samples"),
@@ -376,6 +380,7 @@ FAMILIES = {
                                                 "single_transformer_blocks": _FLUX_BLOCK}),
     "Flux2Transformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, ("kv_cache", "kv_cache_mode"),
                                       lead=_text_lead, tensor_lists=("single_transformer_blocks",),
+                                      name="FLUX.2",
                                       relies_on={"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
                                                              "kv_cache", "kv_cache_mode"),
                                                  "transformer_blocks": ("hidden_states", "encoder_hidden_states",
@@ -385,6 +390,7 @@ FAMILIES = {
                                                                                "image_rotary_emb")}),
     "ChromaTransformer2DModel": Family(FLUX_BLOCKS, 1, _joint_narrow, _flux_grid, FLUX_CONTROLNET, lead=_text_lead,
                                        tensor_lists=("single_transformer_blocks",),
+                                       name="Chroma",
                                        relies_on={"forward": ("hidden_states", "encoder_hidden_states", "img_ids",
                                                               "attention_mask", "controlnet_block_samples",
                                                               "controlnet_single_block_samples"),
@@ -394,17 +400,20 @@ FAMILIES = {
                                                                                 "attention_mask")}),
     "QwenImageTransformer2DModel": Family(("transformer_blocks",), 1, _qwen_narrow, _qwen_grid,
                                           ("controlnet_block_samples",), tail=_qwen_tail,
+                                          name="Qwen-Image",
                                           relies_on={"forward": ("hidden_states", "encoder_hidden_states",
                                                                  "img_shapes", "controlnet_block_samples"),
                                                      "transformer_blocks": ("hidden_states", "encoder_hidden_states",
                                                                             "image_rotary_emb",
                                                                             "modulate_index")}),
     "LTXVideoTransformer3DModel": Family(("transformer_blocks",), None, _ltx_narrow, _ltx_grid,
+                                         name="LTX-Video",
                                          relies_on={"forward": ("hidden_states", "num_frames", "height", "width",
                                                                 "video_coords"),
                                                     "transformer_blocks": ("hidden_states", "temb",
                                                                            "image_rotary_emb")}),
     "HunyuanVideoTransformer3DModel": Family(FLUX_BLOCKS, 0, _hunyuan_narrow, _hunyuan_grid,
+                                             name="HunyuanVideo",
                                              relies_on={"forward": ("hidden_states", "encoder_hidden_states"),
                                                         "transformer_blocks": ("hidden_states",
                                                                                "encoder_hidden_states",
@@ -413,13 +422,15 @@ FAMILIES = {
                                                                                       "encoder_hidden_states",
                                                                                       "attention_mask",
                                                                                       "image_rotary_emb")}),
-    "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, _latent_grid("patch_size", 3),
+    "WanTransformer3DModel": Family(("blocks",), None, _wan_narrow, latent_grid("patch_size", 3),
+                                    name="Wan",
                                     relies_on={"forward": ("hidden_states", "encoder_hidden_states", "timestep"),
                                                "blocks": ("hidden_states", "encoder_hidden_states", "temb",
                                                           "rotary_emb")}),
     "AuraFlowTransformer2DModel": Family(("joint_transformer_blocks", "single_transformer_blocks"), 1,
-                                         _no_narrow, _latent_grid("patch_size", 2), lead=_auraflow_lead,
+                                         _no_narrow, latent_grid("patch_size", 2), lead=_auraflow_lead,
                                          tensor_lists=("single_transformer_blocks",),
+                                         name="AuraFlow",
                                          relies_on={"forward": ("hidden_states", "encoder_hidden_states"),
                                                     "joint_transformer_blocks": ("hidden_states",
                                                                                  "encoder_hidden_states", "temb"),
@@ -429,11 +440,9 @@ FAMILIES = {
 
 def family_of(transformer) -> Family:
     """The family of a diffusers transformer; an unsupported class is refused in one line."""
-    import diffusers
-
-    for name, family in FAMILIES.items():
-        if isinstance(transformer, getattr(diffusers, name)):
-            return family
+    for cls in type(transformer).__mro__:  # by class name: a family registered from outside diffusers works too
+        if cls.__name__ in FAMILIES:
+            return FAMILIES[cls.__name__]
     raise UserError(f"apply_tread does not support {type(transformer).__name__}; supported diffusers "
                     f"transformers: {', '.join(FAMILIES)}")
 

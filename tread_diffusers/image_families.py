@@ -25,7 +25,7 @@ docstring says what a family entry holds); the hooks in tread_diffusers/tread.py
 """
 import torch
 
-from tread_diffusers.families import (FAMILIES, Family, SampleLead, _joint_narrow, _latent_grid,
+from tread_diffusers.families import (FAMILIES, Family, SampleLead, _joint_narrow, latent_grid,
                                       gather_attention_mask, splice)
 from tread_utils.errors import UserError
 
@@ -119,16 +119,19 @@ IMAGE_FAMILIES = {
     "ZImageTransformer2DModel": Family(("layers",), None, _zimage_narrow, _zimage_grid,
                                        ("controlnet_block_samples", "siglip_feats", "image_noise_mask"),
                                        tail=_zimage_tail, tokens="x",
+                                       name="Z-Image",
                                        relies_on={"forward": ("x", "cap_feats", "patch_size", "f_patch_size",
                                                               "controlnet_block_samples", "siglip_feats",
                                                               "image_noise_mask"),
                                                   "layers": ("x", "attn_mask", "freqs_cis", "noise_mask")}),
     "Krea2Transformer2DModel": Family(("transformer_blocks",), None, _joint_narrow, _krea2_grid, lead=_krea2_lead,
+                                      name="Krea2",
                                       relies_on={"forward": ("hidden_states", "encoder_hidden_states", "position_ids"),
                                                  "transformer_blocks": ("hidden_states", "temb", "image_rotary_emb",
                                                                         "attention_mask")}),
-    "Lumina2Transformer2DModel": Family(("layers",), None, _lumina2_narrow, _latent_grid("patch_size", 2),
+    "Lumina2Transformer2DModel": Family(("layers",), None, _lumina2_narrow, latent_grid("patch_size", 2),
                                         lead=_lumina2_lead,
+                                        name="Lumina2",
                                         relies_on={"forward": ("hidden_states", "encoder_hidden_states",
                                                                "encoder_attention_mask"),
                                                    "layers": ("hidden_states", "attention_mask", "image_rotary_emb",

@@ -21,7 +21,7 @@ tables of tread_diffusers/families.py (whose docstring says what a Family holds)
 """
 import torch
 
-from tread_diffusers.families import FAMILIES, Family, SampleRope, _latent_grid, gather_attention_mask
+from tread_diffusers.families import FAMILIES, Family, SampleRope, latent_grid, gather_attention_mask
 from tread_diffusers.video_families import _token_rows
 from tread_utils.errors import UserError
 
@@ -113,12 +113,14 @@ def _minimax_narrow(kw: dict, keep: torch.Tensor) -> None:
 
 
 SEQUENCE_FAMILIES = {
-    "ErnieImageTransformer2DModel": Family(("layers",), None, _ernie_narrow, _latent_grid("patch_size", 2),
+    "ErnieImageTransformer2DModel": Family(("layers",), None, _ernie_narrow, latent_grid("patch_size", 2),
                                            tail=_ernie_tail, tokens="x", sequence_first=True,
+                                           name="Ernie",
                                            relies_on={"forward": ("hidden_states", "text_bth", "text_lens"),
                                                       "layers": ("x", "rotary_pos_emb", "temb", "attention_mask")}),
     "MiniMaxH3Transformer3DModel": Family(("transformer_blocks",), None, _minimax_narrow, _minimax_grid,
                                           lead=_minimax_lead,
+                                          name="MiniMax H3",
                                           relies_on={"forward": ("hidden_states", "timestep_indices", "token_tags",
                                                                  "position_ids", "video_indices"),
                                                      "transformer_blocks": ("hidden_states", "adaln_indices",

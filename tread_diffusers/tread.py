@@ -362,9 +362,8 @@ def _replaying(checkpoint_func):
 
 def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: str = "half",
                 kept_count: str = "authors", **options) -> TreadHandle:
-    """Attach TREAD routes to a diffusers PixArt, SD3, FLUX, FLUX.2, Chroma, Qwen-Image, Wan, LTX-Video,
-    HunyuanVideo, AuraFlow, Z-Image, Krea2, Cosmos, Kandinsky 5, LTX-2, Lumina2, Ernie or MiniMax H3 transformer;
-    returns the handle.
+    """Attach TREAD routes to a diffusers transformer of a class in tread_diffusers.families.FAMILIES (its subclasses
+    too); returns the handle.
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
     `mask_rule` makes a mask image into tokens ("half" or "any", tread_diffusers/masks.py); `kept_count`
     is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""

@@ -26,7 +26,7 @@ from typing import Tuple
 
 import torch
 
-from tread_diffusers.families import (FAMILIES, Family, SampleRope, _latent_grid, _ltx_grid, _rows,
+from tread_diffusers.families import (FAMILIES, Family, SampleRope, latent_grid, _ltx_grid, _rows,
                                       gather_attention_mask)
 
 
@@ -70,20 +70,23 @@ def _ltx2_narrow(kw: dict, keep: torch.Tensor) -> None:
 
 
 VIDEO_FAMILIES = {
-    "CosmosTransformer3DModel": Family(("transformer_blocks",), None, _cosmos_narrow, _latent_grid("patch_size", 3),
+    "CosmosTransformer3DModel": Family(("transformer_blocks",), None, _cosmos_narrow, latent_grid("patch_size", 3),
                                        ("block_controlnet_hidden_states",),
+                                       name="Cosmos",
                                        relies_on={"forward": ("hidden_states", "timestep", "encoder_hidden_states",
                                                               "block_controlnet_hidden_states"),
                                                   "transformer_blocks": ("hidden_states", "embedded_timestep", "temb",
                                                                          "image_rotary_emb", "extra_pos_emb")}),
     "Kandinsky5Transformer3DModel": Family(("visual_transformer_blocks",), None, _kandinsky_narrow, _kandinsky_grid,
                                            ("sparse_params",), tokens="visual_embed",
+                                           name="Kandinsky 5",
                                            relies_on={"forward": ("hidden_states", "encoder_hidden_states",
                                                                   "sparse_params"),
                                                       "visual_transformer_blocks": ("visual_embed", "text_embed",
                                                                                     "time_embed", "rope",
                                                                                     "sparse_params")}),
     "LTX2VideoTransformer3DModel": Family(("transformer_blocks",), 0, _ltx2_narrow, _ltx_grid,
+                                          name="LTX-2",
                                           relies_on={"forward": ("hidden_states", "audio_hidden_states", "num_frames",
                                                                  "height", "width", "video_coords"),
                                                      "transformer_blocks": ("hidden_states", "audio_hidden_states",

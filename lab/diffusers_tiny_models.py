@@ -1,6 +1,8 @@
-"""The tiny random image transformers of lab/diffusers_tiny.py (its `build` names them): FLUX, FLUX.2, Chroma,
-Qwen-Image, SD3, PixArt, AuraFlow, Z-Image, Lumina2 and Krea2, each returned with its inputs and token grid.
-`B`, the batch of every tiny model's inputs, is defined here for the video and sequence families too."""
+"""The tiny random diffusers transformers that the SimpleTuner harness (lab/simpletuner_families.py) runs on both
+sides: FLUX, FLUX.2, Chroma, SD3, PixArt, AuraFlow, Z-Image, Krea2, Wan, LTX-Video, Cosmos, Kandinsky 5 and LTX-2,
+each returned with its inputs and token grid. The family checks use the same models: tests/diffusers_tiny_*.py
+name them in their entries, beside the tiny models only the tests use. `B` is the batch of every tiny model's
+inputs."""
 import torch
 
 B = 2
@@ -55,22 +57,6 @@ def chroma(layers=2, single_layers=2):
     return model, inputs, (h, w)
 
 
-def qwen(references=False):
-    """Qwen-Image; with `references`, the edit model (zero_cond_t), a reference image's tokens after the target's."""
-    from diffusers import QwenImageTransformer2DModel
-
-    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3,
-                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                        axes_dims_rope=(2, 2, 4),
-                                        zero_cond_t=references)
-    h, w = 4, 6
-    shapes = [(1, h, w), (1, 2, 3)] if references else [(1, h, w)]
-    tokens = sum(f * r * c for f, r, c in shapes)
-    inputs = dict(hidden_states=torch.randn(B, tokens, 16), encoder_hidden_states=torch.randn(B, 5, 16),
-                  encoder_hidden_states_mask=torch.ones(B, 5), timestep=torch.rand(B), img_shapes=[shapes] * B,
-                  return_dict=False)
-    return model, inputs, (h, w)
-
 
 def sd3():
     from diffusers import SD3Transformer2DModel
@@ -118,20 +104,6 @@ def zimage(frames=1):
     return model, inputs, ((4, 6) if frames == 1 else (frames, 4, 6))
 
 
-def lumina2(captions=(5, 3)):
-    """Lumina2 with 4 x 6 image tokens after captions of 5 and 3 tokens (the second padded: the image starts at a
-    per-sample offset, and the main layers get an attention mask); GQA, 2 query heads on 1 key-value head."""
-    from diffusers import Lumina2Transformer2DModel
-
-    model = Lumina2Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, hidden_size=16, num_layers=4,
-                                      num_refiner_layers=1, num_attention_heads=2, num_kv_heads=1, multiple_of=16,
-                                      axes_dim_rope=(2, 2, 4), axes_lens=(32, 16, 16), cap_feat_dim=16)
-    text_mask = torch.arange(max(captions))[None] < torch.tensor(captions)[:, None]
-    inputs = dict(hidden_states=torch.randn(B, 4, 8, 12), timestep=torch.rand(B),
-                  encoder_hidden_states=torch.randn(B, max(captions), 16), encoder_attention_mask=text_mask,
-                  return_dict=False)
-    return model, inputs, (4, 6)
-
 
 def krea2():
     """Krea2, the second sample's last two text tokens padding (an attention mask)."""
@@ -150,3 +122,80 @@ def krea2():
                   timestep=torch.rand(B), position_ids=torch.cat([txt_ids, img_ids]), encoder_attention_mask=text_mask,
                   return_dict=False)
     return model, inputs, (h, w)
+
+
+def wan(frames=1):
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=4,
+                                  rope_max_seq_len=32)
+    inputs = dict(hidden_states=torch.randn(B, 4, frames, 8, 8), encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.randint(0, 1000, (B,)), return_dict=False)
+    return model, inputs, (frames, 4, 4)
+
+
+def ltx(frames=2):
+    from diffusers import LTXVideoTransformer3DModel
+
+    model = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+                                       cross_attention_dim=24, num_layers=4, caption_channels=16)
+    h, w = 4, 3
+    inputs = dict(hidden_states=torch.randn(B, frames * h * w, 4), encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.randint(0, 1000, (B,)), encoder_attention_mask=torch.ones(B, 5), num_frames=frames,
+                  height=h, width=w, return_dict=False)
+    return model, inputs, (frames, h, w)
+
+
+
+def cosmos(frames=2):
+    """Cosmos (text by cross-attention, a text mask); random learnable positions (diffusers starts them at zero)."""
+    from diffusers import CosmosTransformer3DModel
+
+    model = CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+                                     num_layers=4, mlp_ratio=2.0, text_embed_dim=16, adaln_lora_dim=8,
+                                     max_size=(8, 16, 16), concat_padding_mask=False)
+    for p in model.learnable_pos_embed.parameters():
+        torch.nn.init.normal_(p)
+    text_mask = torch.ones(B, 5, dtype=torch.bool)
+    text_mask[1, 3:] = False
+    inputs = dict(hidden_states=torch.randn(B, 4, frames, 8, 6), timestep=torch.rand(B),
+                  encoder_hidden_states=torch.randn(B, 5, 16), attention_mask=text_mask, return_dict=False)
+    return model, inputs, (frames, 4, 3)
+
+
+def kandinsky(frames=2):
+    """Kandinsky 5 (one text block, four visual blocks); its modulations, zero at diffusers' init, made random so
+    that every block changes the tokens."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    model = Kandinsky5Transformer3DModel(in_visual_dim=4, in_text_dim=16, in_text_dim2=16, time_dim=16,
+                                         out_visual_dim=4, model_dim=24, ff_dim=32, num_text_blocks=1,
+                                         num_visual_blocks=4, axes_dims=(4, 4, 4))
+    for name, p in model.named_parameters():
+        if "modulation" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    h, w = 4, 3
+    inputs = dict(hidden_states=torch.randn(B, frames, 2 * h, 2 * w, 4), encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.rand(B) * 1000, pooled_projections=torch.randn(B, 16),
+                  visual_rope_pos=(torch.arange(frames), torch.arange(h), torch.arange(w)),
+                  text_rope_pos=torch.arange(5), return_dict=True)  # its return_dict=False gives the bare tensor
+    return model, inputs, (frames, h, w)
+
+
+def ltx2(frames=2, rope_type="interleaved"):
+    """LTX-2: video tokens and, beside them, 6 audio tokens; prompt modulation from sigma (LTX-2.3)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    model = LTX2VideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+                                        cross_attention_dim=24, audio_in_channels=4, audio_out_channels=4,
+                                        audio_num_attention_heads=2, audio_attention_head_dim=8,
+                                        audio_cross_attention_dim=16, num_layers=4, caption_channels=16,
+                                        rope_type=rope_type)
+    h, w, audio = 4, 3, 6
+    inputs = dict(hidden_states=torch.randn(B, frames * h * w, 4), audio_hidden_states=torch.randn(B, audio, 4),
+                  encoder_hidden_states=torch.randn(B, 5, 16), audio_encoder_hidden_states=torch.randn(B, 5, 16),
+                  timestep=torch.rand(B) * 1000, sigma=torch.rand(B), encoder_attention_mask=torch.ones(B, 5),
+                  audio_encoder_attention_mask=torch.ones(B, 5), num_frames=frames, height=h, width=w,
+                  audio_num_frames=audio, return_dict=False)
+    return model, inputs, (frames, h, w)

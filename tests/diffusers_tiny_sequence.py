@@ -1,9 +1,11 @@
-"""The tiny random transformers of lab/diffusers_tiny.py whose blocks run one sequence of every modality (as in
+"""The tiny families of the family checks whose blocks run one sequence of every modality (as in
 tread_diffusers/sequence_families.py): Ernie and MiniMax H3, each returned with its inputs and token grid, and
-MiniMax H3's packed layout."""
+MiniMax H3's packed layout. tests/test_diffusers_sequence_families.py routes them by hand (tests/diffusers_tiny_entry.py
+says what an entry holds)."""
 import torch
 
-from lab.diffusers_tiny_image_families import B
+from diffusers_tiny_entry import TINY, Tiny
+from lab.diffusers_tiny_models import B
 
 
 def ernie():
@@ -51,3 +53,8 @@ def minimax():
                   audio_hidden_states=torch.randn(B, 3, 4), encoder_hidden_states=torch.randn(B, 5, 16),
                   return_dict=False, **layout)
     return model, inputs, (2, 3, 4)
+
+
+CHECKED_BY = "tests/test_diffusers_sequence_families.py"
+TINY.update({"ernie": Tiny("ErnieImageTransformer2DModel", ernie, checked_by=CHECKED_BY),
+             "minimax": Tiny("MiniMaxH3Transformer3DModel", minimax, checked_by=CHECKED_BY)})
