@@ -7,7 +7,7 @@ import torch
 import torch._dynamo
 
 pytest.importorskip("diffusers")
-from lab.diffusers_tiny import build  # noqa: E402
+from diffusers_tiny import build  # noqa: E402
 from tread_diffusers import apply_tread, compile_blocks  # noqa: E402
 
 ROUTE = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
