@@ -343,10 +343,26 @@ def model_kwargs(backbone_type: str, params, where: str = "model.params") -> dic
     """`checked_arguments` for a registry name and the config's `model.params`, which may override its sizes
     (a null value keeps the registry's or DiT's default)."""
     if backbone_type not in DiT_models:
-        raise UserError(f"unknown backbone {backbone_type!r}; choose one of {', '.join(DiT_models)} "
-                        f"(model.backbone_type)")
+        raise UserError(unknown_backbone(backbone_type))
     return checked_arguments({**DiT_models[backbone_type], **{k: v for k, v in dict(params).items()
                                                               if v is not None}}, where)
+
+
+def unknown_backbone(name) -> str:
+    """The refusal of a name not in the registry, short enough to read: the closest name, then each family as
+    its sizes and patches (the registry is every size of a family at every one of its patches)."""
+    import difflib  # only on this error's path
+
+    families = {}
+    for known in DiT_models:
+        family, _, shape = known.partition("-")
+        size, _, patch = shape.partition("/")
+        sizes, patches = families.setdefault(family, ({}, {}))
+        sizes[size] = patches[patch] = None
+    lowered = {known.lower(): known for known in DiT_models}  # `dit-b/2` is DiT-B/2 mistyped
+    close = [lowered[k] for k in difflib.get_close_matches(str(name).lower(), lowered, n=1, cutoff=0.75)]
+    return (f"unknown backbone {name!r} (model.backbone_type)" + (f"; did you mean {close[0]}?" if close else "")
+            + "; families: " + ", ".join(f"{f}-{{{','.join(s)}}}/{{{','.join(p)}}}" for f, (s, p) in families.items()))
 
 
 def get_model(backbone_type: str, params, where: str = "model.params") -> DiT:
