@@ -9,7 +9,8 @@
     python sample.py ckpt=run num_samples=500 path_drop_guidance.scale=1.5   # a model with SPRINT routes (fusion: sprint)
 
 Options are Hydra overrides of configs/sample.yaml, as for train.py (`python sample.py --help` lists them
-with defaults); they are checked by training.config_check.check_sample_config.
+with defaults); they are checked by training.config_check.check_sample_config. The run's `imports` (the modules
+of the user's own it was trained with) are imported again before its model is built.
 The output holds `arr_0` uint8 [N, H, W, 3] and `arr_1` int64 labels in seed order; every seed has its
 own generator, so a seed gives the same latents and label whatever the batch size or number of processes
 (`accelerate launch` splits the seeds, only the main process writes). Bad input is reported in one line
@@ -29,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config_check import check_guidance_has_dropout, check_sample_config, hydra_error_line
 from training.config_schema import SampleSchema
 from tread_utils.errors import UserError, exit_with
+from tread_utils.user_imports import import_saved
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_NAME = "sample"
@@ -101,6 +103,7 @@ def run(cfg, seeds: list) -> None:
     accelerator = start_processes(cpu=not torch.cuda.is_available())
     set_precision_policy(bool(cfg.tf32))
     state = ckpt.read_checkpoint(path)
+    import_saved(state.get("config"), path)  # the user's modules the run was trained with, before its model
     net, run_cfg = ckpt.net_from_state(state, path, accelerator.device)
     if class_labels is not None and not 0 <= class_labels < net.num_classes:
         raise UserError(f"class_labels={class_labels} is not a class of this model (0..{net.num_classes - 1})")

@@ -6,7 +6,8 @@
 
 Restarting with the same run_name resumes from the newest checkpoint (model, EMA, optimizer, step,
 RNG states; the data position is the step). SIGTERM/SIGINT save a checkpoint before exiting.
-The whole config is checked first (`training.config_check`, one line and exit code 2 for a bad value,
+The modules the config's `imports` names are imported first (the user's own registrations; docs/extensions.md),
+then the whole config is checked (`training.config_check`, one line and exit code 2 for a bad value,
 nothing written), and the dataset is read and checked (a malformed manifest.json, an unreadable shard, fewer
 samples than one batch: the same), then the run directory is locked (`training.run_lock`): a second launch of a running
 run is refused. The loop itself is `training.loop.training_loop`; this file is the Hydra entry point.
@@ -28,6 +29,7 @@ from training.config_check import check_train_config, hydra_error_line
 from training.run_lock import RunLock
 from tread_utils.cli import unknown_hydra_flag
 from tread_utils.errors import UserError, exit_with, one_line
+from tread_utils.user_imports import import_user_modules
 
 
 def is_multirun() -> bool:
@@ -66,6 +68,7 @@ def main(cfg: DictConfig):
     cfg.run_name = job_run_name(cfg)
     run_dir = Path(str(cfg.results_dir)) / str(cfg.run_name)
     try:  # before any side effect
+        import_user_modules(cfg.imports)  # the user's registrations (rules, fusions, blocks) before the check
         checked = check_train_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)),
                                      overrides=HydraConfig.get().overrides.task)
         from tread_utils.distributed import check_cuda_processes  # loads torch: only for a valid config

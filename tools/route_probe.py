@@ -19,7 +19,8 @@ loss on the same samples, noise and seeds, with a confidence interval), and opti
 Writes probe.json, probe.md and probe.png (damage against speed-up with the Pareto front, and the cosine
 similarity between each block's input and output tokens) to --out, with the routes the model was trained with
 (tools/route_probe_trained.py): candidates inside them show little damage because of that training, and
---exclude-inside-trained leaves them out. What this predicts, and for which models: docs/route_probe.md.
+--exclude-inside-trained leaves them out. A run's `imports` (modules of the user's own) are imported again before
+its model is read. What this predicts, and for which models: docs/route_probe.md.
 """
 import json
 import sys

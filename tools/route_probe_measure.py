@@ -28,6 +28,7 @@ from tread_diffusers.families import family_of
 from tread_diffusers.tread import apply_tread, bound_kwargs, positional_names
 from tread_utils.errors import UserError
 from tread_utils.hub import is_exported_folder
+from tread_utils.user_imports import import_saved
 
 CONFIDENCE = 0.95
 
@@ -62,6 +63,7 @@ class DiTSubject:
         cfg = state.get("config")
         if not isinstance(cfg, dict) or "model" not in cfg or "diffuser" not in cfg:
             raise UserError(f"{ckpt} holds no run config (model/diffuser); it was not written by train.py")
+        import_saved(cfg, ckpt)  # the user's modules the run was trained with, before its routes are read
         params = dict(cfg["model"]["params"])
         if any(dict(r).get("fusion", "none") != "none" for r in params.get("routes") or []):
             raise UserError(f"{ckpt} was trained with SPRINT routes (their fusion has weights); the probe measures "

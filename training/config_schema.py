@@ -213,6 +213,10 @@ class RepaSchema:
 @dataclass
 class ConfigSchema:
     """configs/config.yaml after composition (what train.py receives)."""
+    imports: List[str] = key("modules of your own, imported before the config is checked (they register selection "
+                             "rules, fusions, blocks; tread_utils/user_imports.py): module names, e.g. [my_rules], "
+                             "found in the working directory or on PYTHONPATH; saved with the run, imported again by "
+                             "sample.py and the route probe", factory=list)
     results_dir: str = key("runs live in results_dir/run_name")
     run_name: str = key("the run directory's name (a sweep job: run_name/<its overrides>)")
     global_seed: int = key("weights, data order and per-rank noise", rule=at_least(0), eg=0)

@@ -1,17 +1,19 @@
 """The words a config schema is written in: `key` (a field with its documentation, value rule and example),
 the `Rule`s a value follows, and the types a field may have with the words that name them (`TYPE_WORDS`).
 
-Torch-free and below every layer that declares keys: training/config_schema.py (the configs) and
-tread_utils/model_spec.py (`model.params`, which the model reads to check a Python caller's arguments).
+Torch-free and omegaconf-free (dit.py imports it), below every layer that declares keys: training/config_schema.py
+(the configs) and tread_utils/model_spec.py (`model.params`, which the model reads to check a Python caller's
+arguments).
 """
 import importlib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from omegaconf import MISSING
-
 from tread_utils.route_spec import is_number
+
+# OmegaConf's MISSING by its value: `import dit` reads the model's fields from here and must not load omegaconf
+MISSING = "???"
 
 
 @dataclass(frozen=True)
