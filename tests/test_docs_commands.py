@@ -251,10 +251,17 @@ def check_sbatch_script(path: str, script_args=()):
 def check_pip(args: list):
     if args[:1] != ["install"]:
         raise CommandError(f"pip {' '.join(args)}: only `pip install` is documented")
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    targets = [a for a in args[1:] if not a.startswith("-")]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    needed = {re.match(r"[\w.-]+", d).group(0) for d in project["dependencies"]}
+    values = {i + 1 for i, a in enumerate(args) if a in ("--index-url", "--extra-index-url")}  # an option's value
+    if any(args[i] != "https://download.pytorch.org/whl/cpu" for i in values if i < len(args)):
+        raise CommandError(f"pip {' '.join(args)}: the only index documented is PyTorch's CPU wheels")
+    targets = [a for i, a in enumerate(args[1:], 1) if not a.startswith("-") and i not in values]
     for target in targets:
         base, _, rest = target.partition("[")
+        if base in needed and not rest and values:  # a dependency of ours from another index (torch's CPU wheel)
+            continue
         if base != ".":
             raise CommandError(f"pip install {target}: not this repository (install it as `.` or `.[extra]`)")
         unknown = [e for e in rest.rstrip("]").split(",") if e and e not in extras]
@@ -263,6 +270,10 @@ def check_pip(args: list):
 
 
 def check_accelerate(args: list, env: dict):
+    if args[:2] == ["config", "default"]:  # accelerate's defaults for the machine, written once (the quick start)
+        from accelerate.commands.config import get_config_parser
+
+        return quiet(get_config_parser().parse_args, args[1:])
     if args[:1] != ["launch"]:
         raise CommandError(f"accelerate {' '.join(args)}: only `accelerate launch` is documented")
     opts = quiet(launch_command_parser().parse_args, args[1:])
@@ -550,6 +561,9 @@ def test_documented_command_runs_as_written(command):
     ("STEPS=9 scripts/no_such_script.sh", "no script scripts/no_such_script.sh"),
     ("python -m data.extract_latents convert-maskdit a b --resolution 512", "--resolution"),
     ('pip install -e ".[no_such_extra]"', "no_such_extra"),
+    ("pip install torchx --index-url https://download.pytorch.org/whl/cpu", "pip install torchx: not this repository"),
+    ("pip install torch --index-url https://example.com/simple", "the only index documented"),
+    ("accelerate config default --mixed_precision fp9", "fp9"),
     ("TREAD_NO_SUCH_VAR=1 python -m lab.bench", "TREAD_NO_SUCH_VAR"),
     ("python train.py dataset=imagenet256 dataset.train_path=/data/imagenet256-latents", "ref_batch"),
 ])

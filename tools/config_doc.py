@@ -28,7 +28,7 @@ HEADER = """# Configuration reference
 
 Written by `python -m tools.config_doc` from `training/config_schema.py` (what each key means) and
 `configs/*.yaml` (its value); edit those, then run the command. Every key is a Hydra override, e.g.
-`python train.py train.optimizer.lr=2e-4` or `python sample.py ckpt=RUN num_samples=100 cfg_scale=1.5`.
+`python train.py train.optimizer.lr=2e-4 run_name=lr2e-4` or `python sample.py ckpt=RUN num_samples=100 cfg_scale=1.5`.
 The schema is the base the YAML files extend, so an unknown key or a value of the wrong type is refused
 when the config is composed, and a key the YAML leaves out takes the default given here.
 

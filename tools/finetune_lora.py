@@ -133,6 +133,10 @@ def main(argv=None):
         raise UserError("--steps and --batch-size must be positive and --resolution even")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no CUDA GPU; give --device cpu")
+    try:
+        import peft  # noqa: F401  (the LoRA layers, add_lora's: refused here, before anything is built)
+    except ImportError:
+        raise UserError('LoRA needs peft, which the lora extra installs: pip install -e ".[lora]"') from None
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     lines = []
