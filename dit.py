@@ -2,7 +2,8 @@
 
 One file: embedders, the adaLN-Zero block, the final layer, the model, the `DiT_models` registry and
 `get_model(backbone_type, params)`. The backbone predicts F in EDM's D = c_skip x + c_out F, so its
-output has the input's channels (no learned sigma). All initialisation is in `initialize_weights`:
+output has the input's channels (no learned sigma). The backbone's initialisation is in `initialize_weights` (a
+route's fusion module initialises itself, in its builder):
 
 * `init="official"` (the default) is what the authors' code (CompVis/tread) trains: their blocks zero the
   adaLN modulation when built, but their `initialize_weights` then applies xavier to every Linear and never
@@ -27,7 +28,7 @@ from backbones.lightningdit import LightningDiTBlock
 from backbones.sprint import SPRINT
 from backbones.ssm import SSMBlock
 import routing_module
-from routing_module import TokenRouter, as_routes, autocast_on
+from routing_module import TokenRouter, autocast_on, resolve_routes
 from tread_utils.errors import UserError
 from tread_utils.hub import (CONFIG_NAME, WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_config,
                              read_weights, refuse_missing_folder)
@@ -167,14 +168,15 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
                              persistent=False)
         self.takes_positions = getattr(block_cls, "takes_positions", False)
         self.blocks = nn.ModuleList([block_cls(hidden_size, num_heads, mlp_ratio, qk_norm) for _ in range(depth)])
-        self.router = TokenRouter(as_routes(routes, depth, RESTORES), enable_routing, fp32_after_route)
-        # each restore strategy's module (SPRINT's mask token and projection; none for TREAD routes, whose state
-        # dict is unchanged)
-        self.fusions = nn.ModuleDict({str(k): RESTORES[r.fusion].build(hidden_size, r, **r.fusion_options)
-                                      for k, r in enumerate(self.router.routes) if r.fusion != "none"})
+        self.router = TokenRouter(resolve_routes(routes, depth, FUSIONS), enable_routing, fp32_after_route)
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels,
                                       getattr(block_cls, "final_norm", None))
         self.initialize_weights(init)
+        # each fusion's module (SPRINT's mask token and projection; none for TREAD routes, whose state dict is
+        # unchanged), built after the backbone's initialisation: the fusion's own, from its builder, stands
+        self.fusions = nn.ModuleDict({str(k): FUSIONS[r.fusion].build(hidden_size, r, **r.fusion_options)
+                                      for k, r in enumerate(self.router.routes) if r.fusion != "none"})
+        self.droppable = frozenset(str(k) for k, r in enumerate(self.router.routes) if drops_deep_path(r))
 
     def initialize_weights(self, init="official"):
         def basic_init(module):
@@ -183,16 +185,15 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-        self.apply(basic_init)
+        for name, child in self.named_children():  # a fusion keeps the initialisation its builder gave it
+            if name != "fusions":
+                child.apply(basic_init)
         w = self.x_embedder.proj.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.x_embedder.proj.bias)
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        for fusion in self.fusions.values():  # its own init (SPRINT's), not the blanket xavier
-            if hasattr(fusion, "reset_parameters"):
-                fusion.reset_parameters()
         if init == "official":  # the authors' code stops here: modulation and output layers keep xavier
             return
         # adaLN-Zero: every residual branch and the output start at zero.
@@ -229,8 +230,9 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
 
         force_routing_ratio: every route runs at this ratio, in eval mode too (routing guidance); routing_seed: the
         kept tokens drawn from this seed. force_keep: optional [B, N] bool mask of tokens (patch grid, row-major)
-        that are never routed. drop_deep_path: SPRINT routes skip their blocks, mask tokens instead (path-drop
-        guidance's weak branch). repa_tap: a training.repa.Tap, called with one block's output tokens and, inside
+        that are never routed. drop_deep_path: every route whose fusion can (SPRINT's: mask tokens instead) skips
+        its blocks, path-drop guidance's weak branch; refused on a model with no such route. repa_tap: a
+        training.repa.Tap, called with one block's output tokens and, inside
         a route, their positions (REPA's alignment)."""
         if y is None:
             y = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
@@ -239,7 +241,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         # contiguous, as the gathered positions inside a route are: compiled per block, one graph serves both
         positions = self.grid_positions.expand(x.shape[0], -1, -1).contiguous() if self.takes_positions else None
         routing = self.router.start_pass(x, force_routing_ratio, routing_seed, force_keep, drop_deep_path,
-                                         self.fusions, positions, repa_tap)
+                                         self.fusions, positions, repa_tap, self.droppable)
         for i, block in enumerate(self.blocks):
             x = routing.enter(i, x)
             if routing.runs(i):
@@ -265,6 +267,7 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
         weights = model_file(model_id, WEIGHTS_NAME, revision=revision, cache_dir=cache_dir,
                              force_download=force_download, local_files_only=local_files_only, token=token)
         on_file = {k: v for k, v in (config or read_config(config_file)).items() if k != "tread"}
+        on_file["routes"] = routing_module.saved_routes(on_file.get("routes"), FUSIONS)  # an older export's keys
         model = cls(**checked_arguments({**on_file, **model_kwargs}, where=str(config_file)))  # sample.py's rule
         model._hub_mixin_config = {**(config or {}), **model_kwargs}  # save/push_to_hub keep the "tread" entry
         load_exact(model, read_weights(weights), model_id)
@@ -274,7 +277,13 @@ class DiT(nn.Module, PyTorchModelHubMixin, library_name="tread", tags=["diffusio
 # The block registry (model.params.block_type): the schema's rule reads it, so a block added here, by this file
 # or from outside, is a config value at once. A block is built as cls(hidden_size, num_heads, mlp_ratio, qk_norm).
 BLOCK_TYPES = {"attention": DiTBlock, "ssm": SSMBlock, "lightningdit": LightningDiTBlock}
-RESTORES = {"sprint": SPRINT}  # a route's `fusion` other than none (end_route): routing_module.Restore
+# The fusion registry (a route's `fusion` other than none): routing_module.Fusion entries, checked like BLOCK_TYPES.
+FUSIONS = {"sprint": SPRINT}
+
+
+def drops_deep_path(route) -> bool:
+    """Whether path-drop guidance can use this route: its fusion builds the sequence without the route's blocks."""
+    return route.fusion != "none" and FUSIONS[route.fusion].drops_deep_path
 
 
 def _registry():
@@ -321,7 +330,7 @@ def checked_arguments(params, where: str = "model.params") -> dict:
     types = typing.get_type_hints(model_spec.ModelParamsSchema)
     for key, value in params.items():
         kind, rule = plain_type(types[key]), fields[key].metadata["rule"]
-        if not takes(kind, value):  # routes: checked by as_routes below
+        if not takes(kind, value):  # routes: checked by resolve_routes below
             raise UserError(f"{name(key)} must be {TYPE_WORDS[kind]}, got {value!r} ({type(value).__name__})")
         if kind in (int, float):
             params[key] = kind(value)
@@ -330,7 +339,7 @@ def checked_arguments(params, where: str = "model.params") -> dict:
     kwargs = {**dit_defaults(), **params}
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")
-    params["routes"] = as_routes(params.get("routes"), kwargs["depth"], RESTORES)  # resolved once, as objects
+    params["routes"] = resolve_routes(params.get("routes"), kwargs["depth"], FUSIONS)  # resolved once, as objects
     return params
 
 

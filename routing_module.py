@@ -1,52 +1,22 @@
-"""TREAD token routing (Krause et al., ICCV 2025): the selection rules, the primitives a model's block loop
-routes with (`select_kept_tokens` before a route's first block, `start_route`, `end_route` after its last;
-dit.DiT.forward, and the diffusers hooks of tread_diffusers/tread.py) and `TokenRouter`, which says which
-routes a forward pass runs and at what ratio. A route itself (`Route`, its `Schedule`) is declared in
-tread_utils/route_spec.py, torch-free, and re-exported here.
+"""TREAD token routing (Krause et al., ICCV 2025): selection rules (`SELECTIONS`), fusions' registry entry
+(`Fusion`), the one route resolver (`resolve_routes`), the primitives a block loop routes with
+(`select_kept_tokens`, `start_route`, `end_route`) and `TokenRouter`, which says which routes a forward pass runs
+and at what ratio. A route itself (`Route`, its `Schedule`) is declared torch-free in tread_utils/route_spec.py.
 
-A route `start -> end` takes a random subset of tokens out of the sequence before block `start` and
-puts them back, unchanged, after block `end` (inclusive). Only the kept tokens pass through the
-blocks in between; the skipped ones travel one way along an identity path, so the full sequence is
-restored and gradients reach every token. `selection_ratio` is the fraction of tokens that SKIP
-(official count: `num_skip = int(N * ratio)`).
-
-Routing is active only while the model is in training mode. To force it at inference (e.g. for
-routing guidance), pass `force_routing_ratio=r` to the model's forward: every configured route then
-runs with ratio r. `routing_seed=s` makes the token choice reproducible (same seed, same tokens).
-
-Selection per route: a rule of `SELECTIONS` scores every token and the router keeps the highest-scoring
-ones. `random` (the paper's, the default) scores uniformly; `importance` scores by the L1 norm of the
-hidden vector (see its function). A rule's keyword-only options are the route's `options`, checked
-against its signature when the routes are resolved; a new rule is one function added to `SELECTIONS`.
-
-Ratio schedules: a route may vary its ratio with the training step, `schedule = {kind: constant | linear
-| cosine, start_ratio, end_ratio, start_step, end_step, levels}`. `constant` (the default) is
-`selection_ratio` throughout; `linear` / `cosine` hold `start_ratio` (null: `selection_ratio`) up to
-`start_step`, move to `end_ratio` by `end_step` (cosine: slow at both ends) and hold it after. `levels=L`
-rounds the ratio to L evenly spaced values from start_ratio to end_ratio. The router is told the step by
-`set_step(step, off_after)` (training/loop.py, before each step) and the ratio is a pure function of it, so a
-resumed run routes as an uninterrupted one; `off_after=S` turns every route off from step S on. The kept
-count changes with the ratio, and torch.compile recompiles the model for each distinct count (dynamo
-keeps 8 by default): a smooth schedule over many steps wants `levels` of a few values.
-
-Fusion per route, how it restores the sequence: `none` (TREAD: `end_route`) or `sprint` (backbones/sprint.py):
-the skipped positions come back as a mask token, and the route's output is a projection of [deep output, route
-input]; the model owns those parameters (`DiT.fusions`), so the router holds none.
-
-`force_keep` ([B, N] bool, a forward keyword) marks tokens that are never skipped. The kept count
-must be the same for every sample of a batch, so it is `max(N - int(N * ratio), most forced tokens
-in any sample)`: a sample with many forced tokens raises the kept count of the whole batch, and
-samples with fewer fill the rest by their selection rule.
+What a route does, its keys and how to add a rule or a fusion: docs/extensions.md and docs/configuration.md.
+`selection_ratio` is the fraction of tokens that skip (the authors' count, `num_skip = int(N * ratio)`); routing
+runs only in training mode unless a forward forces a ratio (`force_routing_ratio`, routing guidance).
 """
 import inspect
-from dataclasses import replace
-from typing import Annotated, Callable, NamedTuple, Optional, Sequence, get_args, get_origin
+import re
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from typing import Annotated, Any, Callable, Literal, NamedTuple, Optional, Sequence, get_args, get_origin
 
 import torch
 import torch.nn as nn
 
-from tread_utils.route_spec import (Route, RouteError, Schedule, is_number, place_routes,  # noqa: F401  (re-exported)
-                                    ratio_problem)
+from tread_utils.route_spec import Route, RouteError, Schedule, is_number, ratio_problem  # noqa: F401  (re-exported)
 
 
 # ---- selection rules: fn(x [B, N, D], generator or None, **options) -> scores [B, N]; the highest are kept ----
@@ -80,16 +50,46 @@ def importance_scores(x: torch.Tensor, generator: Optional[torch.Generator], *,
 SELECTIONS = {"random": random_scores, "importance": importance_scores}
 
 
+# ---- options: a rule's or a fusion builder's keyword-only parameters ----
+
+class Option(NamedTuple):
+    """One keyword-only parameter: its type, the values it allows in words (an interval such as "[0, 1)" from
+    `Annotated[float, "[0, 1)"]`, "[0.0, 2.0]" from `Annotated[float, 0.0, 2.0]`, or "one of a, b" from
+    `Literal["a", "b"]`; "" when any value of the type goes) and its default."""
+    kind: type
+    allowed: str
+    default: Any
+
+
+def _interval(text: str):
+    match = re.fullmatch(r"\s*([\[(])\s*([^,]+?)\s*,\s*([^,]+?)\s*([\])])\s*", text)
+    assert match, f"an option's interval is written like [0, 1) or (0, inf], got {text!r}"
+    return match[1] == "[", float(match[2]), float(match[3]), match[4] == "]"
+
+
+def _allows(option: Option, value) -> bool:
+    if option.allowed.startswith("one of "):
+        return value in option.allowed[len("one of "):].split(", ")
+    if not option.allowed:
+        return True
+    closed_low, low, high, closed_high = _interval(option.allowed)
+    return (low <= value if closed_low else low < value) and (value <= high if closed_high else value < high)
+
+
 def keyword_options(fn) -> dict:
-    """A function's options: name -> (type, (low, high) or None, default), from its keyword-only parameters
-    (`Annotated[float, low, high]` gives an inclusive range)."""
+    """A function's options, name -> `Option`, from its keyword-only parameters."""
     options = {}
     for p in inspect.signature(fn).parameters.values():
-        if p.kind is p.KEYWORD_ONLY:
-            kind, bounds = p.annotation, None
-            if get_origin(kind) is Annotated:
-                kind, *bounds = get_args(kind)
-            options[p.name] = (kind, tuple(bounds) if bounds else None, p.default)
+        if p.kind is not p.KEYWORD_ONLY:
+            continue
+        kind, allowed = p.annotation, ""
+        if get_origin(kind) is Annotated:  # Annotated[float, "[0, 1)"], or Annotated[float, low, high]: [low, high]
+            kind, *bounds = get_args(kind)
+            allowed = bounds[0] if len(bounds) == 1 else f"[{bounds[0]}, {bounds[1]}]"
+            _interval(allowed)
+        if get_origin(kind) is Literal:
+            allowed, kind = "one of " + ", ".join(get_args(kind)), str
+        options[p.name] = Option(kind, allowed, p.default)
     return options
 
 
@@ -104,12 +104,14 @@ def check_options(fn, options, name: str, what: str) -> dict:
     for key, value in dict(options or {}).items():
         if key not in accepted:
             raise RouteError(f"{name}: {what} has no option {key!r}; its options: {', '.join(accepted) or 'none'}")
-        kind, bounds, _ = accepted[key]
+        option = accepted[key]
+        kind = option.kind
         ok = is_number(value, integer=kind is int) if kind in (int, float) else isinstance(value, kind)
         if not ok:
             raise RouteError(f"{name}: {what.split()[0]} option {key} must be {kind.__name__}, got {value!r}")
-        if bounds and not bounds[0] <= value <= bounds[1]:
-            raise RouteError(f"{name}: {key} must be in [{bounds[0]}, {bounds[1]}], got {value}")
+        if not _allows(option, value):
+            where = "in " if option.allowed[0] in "[(" else ""
+            raise RouteError(f"{name}: {key} must be {where}{option.allowed}, got {value!r}")
         checked[key] = kind(value)
     return dict(sorted(checked.items()))
 
@@ -117,59 +119,77 @@ def check_options(fn, options, name: str, what: str) -> dict:
 def check_selection(rule, options, name: str) -> dict:
     """The route's rule and options, checked against the rule's signature: {key: value} in key order."""
     if rule not in SELECTIONS:
-        raise RouteError(f"{name}: selection must be one of {', '.join(SELECTIONS)}, got {rule!r}")
+        raise RouteError(f"{name}: selection must be one of {', '.join(SELECTIONS)}, got {rule!r}{IMPORTS_HINT}")
     return check_options(SELECTIONS[rule], options, name, f"selection {rule}")
 
 
-class Restore(NamedTuple):
-    """A restore strategy: how a route gives the full sequence back other than by rejoining the skipped tokens
-    unchanged (`end_route`, the route's `fusion: none`). A model registers its strategies by name
-    (dit.RESTORES).
+# a name a registry does not hold may be one the user registers in a module of their own
+IMPORTS_HINT = " (one registered in a module of yours: imports=[your_module])"
 
-    build(hidden_size, route, **options) -> the model's module for one route (its parameters in the state dict
-    under `fusions.K`); the route's `fusion_options` are checked against build's keyword-only parameters. The
-    module is called where the route ends, module(x_deep [B, K, C], x_shallow [B, N, C] the route's input,
-    keep_idx [B, K]) -> [B, N, C]; `reset_parameters()`, if it has one, runs after the model's initialisation.
-    A module with `drops_deep_path = True` also takes (None, x_shallow, keep_idx, drop_all=True): the route's
-    blocks skipped (path-drop guidance).
-    flops(hidden_size, num_tokens) -> its forward FLOPs per sample, for the FLOP report's analytic count."""
+
+class Fusion(NamedTuple):
+    """How a route gives the full sequence back when it is not TREAD's rejoin (a route's `fusion` other than
+    none; docs/extensions.md, "Fusions"). `build(hidden_size, route, **fusion_options)` makes the model's module
+    for one route, `flops(hidden_size, num_tokens)` counts its forward per sample for the FLOP report, and
+    `drops_deep_path` says that its module also builds the sequence without the route's blocks, which is what
+    path-drop guidance needs."""
     build: Callable
     flops: Callable
+    drops_deep_path: bool = False
 
 
-def check_restore(route: Route, restores: dict, name: str) -> Route:
-    """The route with its restore strategy's name and options checked against `restores` (a model's registry)."""
+def check_fusion(route: Route, fusions: dict, name: str) -> Route:
+    """The route with its fusion's name and options checked against `fusions` (a model's registry)."""
     if route.fusion == "none":
         if route.fusion_options:
-            raise RouteError(f"{name}: fusion_options {route.fusion_options} need a restore strategy (fusion)")
+            raise RouteError(f"{name}: fusion_options {route.fusion_options} need a fusion other than none")
         return route
-    if route.fusion not in restores:
-        raise RouteError(f"{name}: fusion must be one of none, {', '.join(restores)}, got {route.fusion!r}")
-    options = check_options(restores[route.fusion].build, route.fusion_options, name, f"fusion {route.fusion}")
+    if route.fusion not in fusions:
+        raise RouteError(f"{name}: fusion must be one of none, {', '.join(fusions)}, got {route.fusion!r}"
+                         f"{IMPORTS_HINT}")
+    options = check_options(fusions[route.fusion].build, route.fusion_options, name, f"fusion {route.fusion}")
     return replace(route, fusion_options=options)
 
 
-def resolve_routes(routes: Optional[Sequence], depth: int, restores: Optional[dict] = None) -> list:
-    """Routes from the config (or `Route`s) placed in a model of `depth` blocks (tread_utils.route_spec.place_routes: negative
-    indices as block numbers, in order, without overlap), each with its selection rule and options checked against
-    the rule's signature, and with `restores` (a model's registry, dit.RESTORES) its restore strategy too."""
-    placed = place_routes(routes, depth)
-    for i, route in enumerate(placed):
+def saved_routes(routes: Optional[Sequence], fusions: dict) -> list:
+    """Routes as a run or an export saved them, in today's keys: a fusion's setting once kept beside the route
+    (sprint's `path_drop_prob`, ...) moves into its `fusion_options`, and one the route's fusion does not take is
+    dropped if it holds that setting's default. Only for saved configs: the command line's old keys are refused."""
+    known = {f.name for f in fields(Route)}
+    defaults = {key: option.default for entry in fusions.values() for key, option in keyword_options(entry.build).items()}
+    out = []
+    for r in routes or []:
+        if not isinstance(r, Mapping) or not set(r) - known:
+            out.append(r)
+            continue
+        r = dict(r)
+        fusion = r.get("fusion") or "none"
+        takes = keyword_options(fusions[fusion].build) if fusion in fusions else {}
+        for key in sorted(set(r) - known):
+            if key in takes:
+                r["fusion_options"] = {key: r.pop(key), **(r.get("fusion_options") or {})}
+            elif key in defaults and r[key] == defaults[key]:
+                del r[key]
+        out.append(r)
+    return out
+
+
+def resolve_routes(routes: Optional[Sequence], depth: int, fusions: Optional[dict] = None) -> list:
+    """The one resolver: routes from the config (mappings) or `Route`s, placed in a model of `depth` blocks
+    (negative indices as block numbers, in order, without overlap), each selection rule and, with `fusions` (a
+    model's registry), each fusion checked with its options. Idempotent: resolved routes come back equal."""
+    placed = []
+    for i, r in enumerate(routes or []):
+        route = Route.placed(r, depth, i)
+        if placed and route.start_layer_idx <= placed[-1].end_layer_idx:
+            prev = placed[-1]
+            raise RouteError(f"route {i} ({route.start_layer_idx} -> {route.end_layer_idx}): overlaps or comes "
+                             f"before route {i - 1} ({prev.start_layer_idx} -> {prev.end_layer_idx}) in a model of "
+                             f"depth {depth}; list routes in order, each starting after the previous one ends")
         name = f"route {i} ({route.start_layer_idx} -> {route.end_layer_idx}, ratio {route.selection_ratio})"
-        placed[i] = replace(route, options=check_selection(route.selection, route.options, name))
-        if restores is not None:
-            placed[i] = check_restore(placed[i], restores, name)
+        route = replace(route, options=check_selection(route.selection, route.options, name))
+        placed.append(route if fusions is None else check_fusion(route, fusions, name))
     return placed
-
-
-def as_routes(routes: Optional[Sequence], depth: int, restores: Optional[dict] = None) -> list:
-    """Routes already placed in the model (`Route`s, e.g. a model's `router.routes`) as they are; a config's
-    mappings, or `Route`s with negative indices, resolved (`resolve_routes`). Resolving happens once, where a launch reads the config; the model, the FLOP
-    report and the exports then pass the objects along."""
-    routes = list(routes or [])
-    if all(isinstance(r, Route) and 0 <= r.start_layer_idx <= r.end_layer_idx < depth for r in routes):
-        return routes
-    return resolve_routes(routes, depth, restores)  # mappings, or Routes built with negative indices
 
 
 def num_kept(num_tokens: int, ratio: float) -> int:
@@ -199,9 +219,10 @@ def start_route(x: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, _expand(keep_idx, x.shape[-1]))
 
 
-def end_route(x_kept: torch.Tensor, x_full: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
-    """The full sequence: processed kept tokens at their positions, skipped tokens as they left."""
-    return x_full.to(x_kept.dtype).scatter(1, _expand(keep_idx, x_full.shape[-1]), x_kept)
+def end_route(x_kept: torch.Tensor, x_shallow: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
+    """The full sequence: processed kept tokens at their positions, skipped tokens as they left (`x_shallow`, the
+    route's input)."""
+    return x_shallow.to(x_kept.dtype).scatter(1, _expand(keep_idx, x_shallow.shape[-1]), x_kept)
 
 
 def autocast_on(device_type: str) -> bool:
@@ -257,16 +278,19 @@ class TokenRouter(nn.Module):
 
     def start_pass(self, x: torch.Tensor, force_ratio: Optional[float] = None, seed: Optional[int] = None,
                    force_keep: Optional[torch.Tensor] = None, drop_deep_path: bool = False, fusions=None,
-                   positions: Optional[torch.Tensor] = None, tap=None) -> "RoutingPass":
+                   positions: Optional[torch.Tensor] = None, tap=None, droppable=frozenset()) -> "RoutingPass":
         """The routing state of one forward pass over tokens x [B, N, C] (the model's forward keywords; `fusions`:
-        the model's restore modules by route index; `positions`: per-token tensors that travel with the kept
-        tokens)."""
+        the model's fusion modules by route index, `droppable` the indices of those that can drop their route's
+        deep path; `positions`: per-token tensors that travel with the kept tokens)."""
         fusions = {} if fusions is None else fusions
+        if drop_deep_path and not droppable:
+            raise RouteError("drop_deep_path (path-drop guidance) needs a route whose fusion can drop its deep path "
+                             "(e.g. fusion=sprint); this model has none")
         starts = self.plan(force_ratio, fused=fusions)
         generator = None
         if seed is not None and starts:
             generator = torch.Generator(device=x.device).manual_seed(int(seed))
-        return RoutingPass(starts, fusions, generator, force_keep, drop_deep_path, positions, tap,
+        return RoutingPass(starts, fusions, generator, force_keep, drop_deep_path and droppable, positions, tap,
                            self.fp32_after_route)
 
 
@@ -279,37 +303,41 @@ class RoutingPass:
                 x = routing.tap(i, run(block, x, c, routing.fp32(i), routing.positions))
             x = routing.leave(i, x)          # a route ends: the full sequence restored
 
-    It holds the route in flight (its kept tokens' indices, the sequence it left, its restore module), the
-    positions of the tokens in flight, and the block after a route that dropped tokens (`fp32`). The primitives
-    are called through this module's names, so code that patches `routing_module.select_kept_tokens`,
-    `start_route` or `end_route` (the paper-parity harness) routes every model's loop."""
+    It holds the route in flight (its kept tokens' indices, its input, its fusion module), the positions of the
+    tokens in flight, and the block after a route that dropped tokens (`fp32`). The primitives are called through
+    this module's names, so code that patches `routing_module.select_kept_tokens`, `start_route` or `end_route`
+    (the paper-parity harness) routes every model's loop."""
 
-    def __init__(self, starts: dict, fusions, generator, force_keep, drop_deep_path: bool, positions, tap,
+    def __init__(self, starts: dict, fusions, generator, force_keep, dropped_paths, positions, tap,
                  fp32_after_route: bool):
         self.starts, self.fusions, self.generator = starts, fusions, generator
-        self.force_keep, self.drop_deep_path, self._tap = force_keep, drop_deep_path, tap
+        self.force_keep, self.dropped_paths, self._tap = force_keep, dropped_paths or frozenset(), tap
         self.fp32_after_route = fp32_after_route
         self.all_positions = self.positions = positions
-        self.end = self.keep_idx = self.x_route = self.fusion = self.fp32_block = None
+        self.end = self.key = self.keep_idx = self.x_shallow = self.fusion = self.fp32_block = None
+        self.dropped = False
 
     def enter(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Before block i: where a route starts, its kept tokens (all of them at ratio 0: a fusion route)."""
+        """Before block i: where a route starts, its kept tokens (every token, in order, at ratio 0: a fusion's
+        route, whose module is then given all the indices)."""
         if i not in self.starts:
             return x
         k, route, ratio = self.starts[i]
-        self.end, self.x_route = route.end_layer_idx, x
-        self.fusion = self.fusions[str(k)] if str(k) in self.fusions else None
-        if ratio > 0:
-            self.keep_idx = select_kept_tokens(x, ratio, self.generator, route.selection, self.force_keep,
-                                               **route.options)
-            x = start_route(x, self.keep_idx)
-            if self.positions is not None:  # the kept tokens carry their own positions through the route
-                self.positions = start_route(self.positions, self.keep_idx)
-        return x
+        self.end, self.key, self.x_shallow = route.end_layer_idx, str(k), x
+        self.fusion = self.fusions[self.key] if self.key in self.fusions else None
+        self.dropped = ratio > 0
+        if not self.dropped:
+            self.keep_idx = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+            return x
+        self.keep_idx = select_kept_tokens(x, ratio, self.generator, route.selection, self.force_keep,
+                                           **route.options)
+        if self.positions is not None:  # the kept tokens carry their own positions through the route
+            self.positions = start_route(self.positions, self.keep_idx)
+        return start_route(x, self.keep_idx)
 
     def runs(self, i: int) -> bool:
-        """False for a route's blocks when path-drop guidance skips its deep path (its restore module drops it)."""
-        return not (self.end is not None and self.drop_deep_path and getattr(self.fusion, "drops_deep_path", False))
+        """False for a route's blocks when path-drop guidance drops its deep path (a fusion that can)."""
+        return not (self.end is not None and self.key in self.dropped_paths)
 
     def fp32(self, i: int) -> bool:
         """Block i follows a route that dropped tokens: it sees tokens from two depths at once, and with
@@ -317,23 +345,25 @@ class RoutingPass:
         return self.fp32_after_route and i == self.fp32_block
 
     def tap(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Block i's output, shown to the tap (REPA's alignment: the tokens and, inside a route, their indices)."""
+        """Block i's output, shown to the tap (REPA's alignment: the tokens and, inside a route that dropped
+        tokens, their indices)."""
         if self._tap is not None and i == self._tap.block:
-            self._tap(x, self.keep_idx)
+            self._tap(x, self.keep_idx if self.dropped else None)
         return x
 
     def leave(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """After block i: where the route in flight ends, the full sequence (the skipped tokens rejoin, TREAD's
-        end_route, or the route's restore strategy)."""
+        end_route, or the route's fusion)."""
         if i != self.end:
             return x
         if self.fusion is None:
-            x = end_route(x, self.x_route, self.keep_idx)
+            x = end_route(x, self.x_shallow, self.keep_idx) if self.dropped else x
         elif not self.runs(i):
-            x = self.fusion(None, self.x_route, self.keep_idx, drop_all=True)
+            x = self.fusion(None, self.x_shallow, self.keep_idx, drop_all=True)
         else:
-            x = self.fusion(x, self.x_route, self.keep_idx)
-        self.fp32_block = None if self.keep_idx is None else i + 1
-        self.end = self.keep_idx = self.x_route = self.fusion = None
+            x = self.fusion(x, self.x_shallow, self.keep_idx)
+        self.fp32_block = i + 1 if self.dropped else None
+        self.end = self.key = self.keep_idx = self.x_shallow = self.fusion = None
+        self.dropped = False
         self.positions = self.all_positions
         return x

@@ -69,12 +69,12 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
       routing_guidance         {scale: None = off, weak_ratio: 0.7, strong_ratio: 0.3}: TREAD routing guidance,
                                D = D_weak + scale (D_strong - D_weak) with routing forced at the two ratios
       path_drop_guidance       {scale: None = off}: SPRINT's path-drop guidance, D = D_weak + scale (D - D_weak)
-                               with the deep path of every sprint route dropped in the weak pass; it follows
+                               with the deep path of every route that can drop it dropped in the weak pass; it follows
                                guidance_interval too
 
     `class_drop_prob` (the run's train.general.class_drop_prob): not 0 with cfg_scale != 1, since a model
     trained without label dropout has no unconditional mode (the command refuses it: `guidance_needs_dropout`).
-    Routing guidance needs TREAD routes, path-drop guidance SPRINT routes.
+    Routing guidance needs routes, path-drop guidance a route whose fusion can drop its deep path (SPRINT's).
     """
     options = options or {}
     get = options.get
@@ -102,9 +102,9 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
     _refuse_unknown(path_drop, PATH_DROP_GUIDANCE_KEYS, "path_drop_guidance key")
     if path_drop.get("scale") is not None:
         _, backbone = _backbone(net)
-        if not len(getattr(backbone, "fusions", ())):
-            raise UserError("path-drop guidance needs a model with SPRINT routes (model.params.routes[i].fusion="
-                            "sprint); this checkpoint has none - set path_drop_guidance.scale=null")
+        if not getattr(backbone, "droppable", ()):
+            raise UserError("path-drop guidance needs a route whose fusion can drop its deep path (e.g. fusion="
+                            "sprint); this model has none: set path_drop_guidance.scale=null")
         net = PathDropGuidance(net, float(path_drop["scale"]), interval=interval)
     return net
 

@@ -43,7 +43,7 @@ def build_parser():
     p.add_argument("--cfg-scales", type=nonnegative_float, nargs="*", default=[1.5],
                    help="classifier-free guidance scales (default 1.5)")
     p.add_argument("--pdg-scales", type=nonnegative_float, nargs="*", default=[1.5],
-                   help="path-drop guidance scales (default 1.5; the model needs sprint routes)")
+                   help="path-drop guidance scales (default 1.5; the model needs a route whose fusion can drop its deep path, e.g. sprint)")
     p.add_argument("--guidance-interval", type=nonnegative_float, nargs=2, default=None,
                    metavar=("SIGMA_LO", "SIGMA_HI"), help="guide only at noise levels inside (default: all)")
     p.add_argument("--num-samples", type=positive_int, default=None,
@@ -65,8 +65,8 @@ def evaluate(args) -> dict:
     params = OmegaConf.to_container(cfg.model.params, resolve=True)
     flops = guidance_flops(cfg.model.backbone_type, params)
     if args.pdg_scales and not flops:
-        raise UserError(f"{path} has no SPRINT routes (fusion: sprint), so no path-drop guidance; "
-                        f"pass --pdg-scales with no value, or a run trained with fusion: sprint")
+        raise UserError(f"{path} has no route whose fusion can drop its deep path (e.g. fusion: sprint), so no "
+                        f"path-drop guidance; pass --pdg-scales with no value, or a run trained with such a route")
     full = flops.get("cfg_step_flops", 2 * sampling_forward_flops(cfg.model.backbone_type, params)) // 2
     out = Path(args.out)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())

@@ -46,14 +46,16 @@ def test_bad_config_strings_are_refused_in_one_line(value, match):
     assert "\n" not in str(err.value) and not model._forward_pre_hooks
 
 
-@pytest.mark.parametrize("json_word, field", [("true", "mask_token_trainable"), ("null", "importance_mix"),
-                                              ("false", "mask_token_trainable")])
-def test_json_words_in_a_config_string_are_refused(json_word, field):
+ROUTE_TEXT = '{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 2'
+
+
+@pytest.mark.parametrize("json_word, config", [("true", '{"routes": [' + ROUTE_TEXT + '}], "verbose": true}'),
+                                               ("null", '{"routes": [' + ROUTE_TEXT + ', "importance_mix": null}]}'),
+                                               ("false", '{"routes": [' + ROUTE_TEXT + '}], "verbose": false}')])
+def test_json_words_in_a_config_string_are_refused(json_word, config):
     """JSON's true/false/null where SimpleTuner's --tread_config reads a Python literal: refused, never read as
-    True/False/None (each word sits in a field that would accept the Python value, so a parser that rewrote
-    it would pass the config silently)."""
-    config = ('{"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 2, '
-              f'"{field}": {json_word}}}]}}')
+    True/False/None (each word sits where the Python value is accepted: a route's importance_mix, a key beside the
+    routes that apply_tread does not read; a parser that rewrote it would pass the config silently)."""
     python_value = {"true": "True", "false": "False", "null": "None"}[json_word]
     routes_from_config(config.replace(json_word, python_value), 4)  # the Python spelling is a valid route
     with pytest.raises(RouteError, match="not a Python literal") as err:

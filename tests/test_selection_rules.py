@@ -81,5 +81,5 @@ def test_the_configuration_reference_lists_the_registered_rules(rule):
 
     section = config_doc.selection_rules()
     assert "| `by_position` | Tokens by their position in the sequence: the first ones (last=true: the last " \
-           "ones). | `last` (bool, false), `weight` (float, [0.0, 2.0], 1.0) |" in section
-    assert "| `importance` |" in section and "`importance_mix` (float, [0.0, 1.0], 0.0)" in section
+           "ones). | `last` (bool; default false), `weight` (float, [0.0, 2.0]; default 1.0) |" in section
+    assert "| `importance` |" in section and "`importance_mix` (float, [0.0, 1.0]; default 0.0)" in section

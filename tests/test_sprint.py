@@ -14,7 +14,7 @@ SPRINT = dict(route(2, 3, 0.75), fusion="sprint")
 def sprint_model(**options):
     torch.manual_seed(0)
     model = get_model("DiT-T/2", dict(num_classes=10, in_channels=1, input_size=16, enable_routing=True, depth=6,
-                                      routes=[dict(SPRINT, **options)], hidden_size=32, num_heads=2))
+                                      routes=[dict(SPRINT, fusion_options=options)], hidden_size=32, num_heads=2))
     for name, p in model.named_parameters():  # carry signal through every block (not adaLN-Zero)
         if "fusions" not in name:
             torch.nn.init.normal_(p, std=0.05)
@@ -111,15 +111,34 @@ def test_drop_deep_path_skips_the_deep_blocks():
         torch.testing.assert_close(weak, reference(model, x, t, y, drop_all=True), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("option, needle", [(dict(fusion="sprnt"), "fusion must be one of none, sprint"),
-                                            (dict(path_drop_prob=1.0), "path_drop_prob"),
-                                            (dict(mask_token_init="uniform"), "mask_token_init"),
-                                            (dict(fusion_init="zero"), "fusion_init"),
-                                            (dict(mask_token_trainable="yes"), "mask_token_trainable")])
+@pytest.mark.parametrize("option, needle", [
+    (dict(fusion="sprnt"), "fusion must be one of none, sprint"),
+    (dict(fusion_options=dict(path_drop_prob=1.0)), r"path_drop_prob must be in \[0, 1\), got 1.0"),
+    (dict(fusion_options=dict(mask_token_init="uniform")), "mask_token_init must be one of normal, zeros"),
+    (dict(fusion_options=dict(fusion_init="zero")), "fusion_init must be one of xavier, deep"),
+    (dict(fusion_options=dict(mask_token_trainable="yes")), "mask_token_trainable must be bool"),
+    (dict(path_drop_prob=0.2), r"a fusion's own setting goes in its fusion_options: "
+                               r"\+model.params.routes.N.fusion_options.path_drop_prob=")])
 def test_bad_fusion_value_is_one_clear_line(option, needle):
     with pytest.raises(RouteError, match=needle):
-        resolve_routes([dict(SPRINT, **option)], 6, dit.RESTORES)  # the model's registry names the strategies
+        resolve_routes([dict(SPRINT, **option)], 6, dit.FUSIONS)  # the model's registry names the fusions
     assert issubclass(RouteError, UserError)
+
+
+def test_a_run_saved_with_the_settings_beside_the_route_still_loads():
+    """Runs saved before sprint's settings moved into fusion_options: a sprint route's move there, a plain route's
+    defaults are dropped; the command line's old keys stay refused (above)."""
+    from routing_module import saved_routes
+
+    old = [dict(route(1, 1), path_drop_prob=0.1, mask_token_trainable=False, mask_token_init="normal",
+                fusion_init="xavier"),
+           dict(SPRINT, path_drop_prob=0.3, mask_token_trainable=False, mask_token_init="zeros", fusion_init="deep")]
+    routes = resolve_routes(saved_routes(old, dit.FUSIONS), 6, dit.FUSIONS)
+    assert routes[0].fusion_options == {}
+    assert routes[1].fusion_options == dict(path_drop_prob=0.3, mask_token_trainable=False, mask_token_init="zeros",
+                                            fusion_init="deep")
+    with pytest.raises(RouteError, match="unknown key"):  # a plain route with a setting it cannot have had
+        resolve_routes(saved_routes([dict(route(1, 1), path_drop_prob=0.3)], dit.FUSIONS), 6, dit.FUSIONS)
 
 
 def test_config_check_and_flop_count_know_sprint_routes():
@@ -133,7 +152,12 @@ def test_config_check_and_flop_count_know_sprint_routes():
         with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
             return check_train_config(compose("config", overrides=list(overrides))).config
 
-    assert check("model.params.routes.0.fusion=sprint").model.params.routes[0].path_drop_prob == 0.1
+    assert check("model.params.routes.0.fusion=sprint").model.params.routes[0].fusion == "sprint"
+    from test_config_schema import compose_train
+
+    with pytest.raises(UserError, match=r"unknown config key model.params.routes.0.path_drop_prob; .*"
+                                        r"\+model.params.routes.0.fusion_options.path_drop_prob=\.\.\."):
+        compose_train("model.params.routes.0.fusion=sprint", "model.params.routes.0.path_drop_prob=0.2")
     with pytest.raises(UserError, match="fusion must be one of none, sprint"):
         check("model.params.routes.0.fusion=sprnt")
     params = dict(num_classes=10, in_channels=4, input_size=32, enable_routing=True, routes=[SPRINT])
@@ -157,7 +181,7 @@ def test_path_drop_guidance_weak_branch_is_the_model_with_its_path_dropped():
         torch.testing.assert_close(guided(x, sigma, y), weak + 1.5 * (full - weak))
         torch.testing.assert_close(guided(x, torch.tensor(5.0), y), net(x, torch.tensor(5.0), y))  # outside
         assert PathDropGuidance(net, 0.0)(x, sigma, y).equal(weak)
-    with pytest.raises(UserError, match="SPRINT routes"):
+    with pytest.raises(UserError, match="path-drop guidance needs a route whose fusion can drop its deep path"):
         build_guided_net(EDMPrecond(get_model("DiT-T/2", dict(num_classes=10, in_channels=1, input_size=16,
                                                               enable_routing=False, depth=2))),
                          {"path_drop_guidance": {"scale": 1.5}})
@@ -182,7 +206,7 @@ def test_in_training_eval_scores_path_drop_guidance_and_refuses_it_without_sprin
             return compose("config", overrides=[*tiny_overrides("tread"), "train.eval.eval_interval=20",
                                                 "train.eval.fid_num_samples=128", *overrides])
 
-    with pytest.raises(UserError, match=r"train.eval.path_drop_scales=\[1.5\] is not allowed.*SPRINT"):
+    with pytest.raises(UserError, match=r"train.eval.path_drop_scales=\[1.5\] is not allowed.*fusion can drop"):
         check_train_config(cfg_of("train.eval.path_drop_scales=[1.5]"))
     with pytest.raises(UserError, match="guidance_interval"):
         check_train_config(cfg_of("train.eval.guidance_interval=[2,1]"))
@@ -251,4 +275,4 @@ def test_guidance_eval_scores_cfg_and_pdg_at_equal_network_evaluations(tmp_path,
     assert "| pdg2 |" in (out / "guidance.md").read_text() and (out / "samples" / "step_00000000_pdg2.png").exists()
     with pytest.raises(SystemExit):
         guidance_eval.main([str(tmp_path / "plain"), "--out", str(tmp_path / "x")])
-    assert "no SPRINT routes" in capsys.readouterr().err
+    assert "no route whose fusion can drop its deep path" in capsys.readouterr().err

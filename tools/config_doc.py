@@ -14,7 +14,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from routing_module import SELECTIONS, selection_options
+from dit import FUSIONS
+from routing_module import SELECTIONS, keyword_options
 from training import config_schema as S
 from training.config_check import list_element
 
@@ -111,19 +112,31 @@ def route_count(presets: dict, path) -> str:
     return f"{'; '.join(parts) or count[None]} (below: the values of the default's first)"
 
 
-def selection_rules() -> str:
-    """The selection rules a route may name, from routing_module.SELECTIONS: each rule's first doc line and
-    its options (keyword-only parameters), so a rule added there is documented here without an edit."""
-    out = ["\n### Selection rules (`model.params.routes.N.selection`)\n",
-           "A rule's options go under the route's `options`, e.g. "
-           "`+model.params.routes.0.options.importance_mix=0.3` (Hydra's `+` adds a key to a mapping).\n",
-           "| rule | what it keeps | options (type, range, default) |", "|---|---|---|"]
-    for name, fn in SELECTIONS.items():
-        options = [f"`{key}` ({kind.__name__}{f', [{bounds[0]}, {bounds[1]}]' if bounds else ''}, {flow(default)})"
-                   for key, (kind, bounds, default) in selection_options(name).items()]
+def registry_table(title: str, intro: str, entries: dict, what: str) -> str:
+    """A registry's entries, each its first doc line and its options (keyword-only parameters, `keyword_options`),
+    so an entry added there, by this package or by a user's module, is documented here without an edit."""
+    out = [f"\n### {title}\n", intro, f"| name | {what} | options (type, allowed values; default) |", "|---|---|---|"]
+    for name, fn in entries.items():
+        options = [f"`{key}` ({kind.__name__}{f', {allowed}' if allowed else ''}; default {flow(default)})"
+                   for key, (kind, allowed, default) in keyword_options(fn).items()]
         doc = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
         out.append(f"| `{name}` | {doc.replace('|', chr(92) + '|')} | {', '.join(options) or '-'} |")
     return "\n".join(out)
+
+
+def selection_rules() -> str:
+    return registry_table("Selection rules (`model.params.routes.N.selection`)",
+                          "A rule's options go under the route's `options`, e.g. "
+                          "`+model.params.routes.0.options.importance_mix=0.3` (Hydra's `+` adds a key to a mapping).\n",
+                          SELECTIONS, "what it keeps")
+
+
+def fusions() -> str:
+    return registry_table("Fusions (`model.params.routes.N.fusion`)",
+                          "How a route gives the sequence back when it is not TREAD's rejoin (`none`, the default). A "
+                          "fusion's options go under the route's `fusion_options`, e.g. "
+                          "`+model.params.routes.0.fusion_options.path_drop_prob=0.2`.\n",
+                          {name: entry.build for name, entry in FUSIONS.items()}, "what it builds")
 
 
 def render() -> str:
@@ -132,6 +145,7 @@ def render() -> str:
     out = [HEADER, "## Training: `train.py` (configs/config.yaml)"]
     sections(S.ConfigSchema, "", (), presets, out)
     out.append(selection_rules())
+    out.append(fusions())
     out.append("\n## Sampling: `sample.py` (configs/sample.yaml)")
     sample = compose_config("sample")
     sections(S.SampleSchema, "", (), {None: sample, **{g: sample for g in VARIANTS}}, out)

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from data import build_dataset
 from dit import get_model
-from routing_module import TokenRouter, as_routes
+from routing_module import TokenRouter, resolve_routes
 from tools.diffusers_toy import flow_matching_loss
 from tools.route_probe_trained import from_export, from_run_config, unknown
 from training.checkpoint import build_objective, load_model_state, read_checkpoint, resolve_checkpoint
@@ -102,7 +102,7 @@ class DiTSubject:
         return torch.stack([item[0] for item in items]).float(), torch.tensor([int(item[1]) for item in items])
 
     def set_route(self, candidate):
-        routes = as_routes([candidate.as_route()] if candidate else [], self.depth)
+        routes = resolve_routes([candidate.as_route()] if candidate else [], self.depth)
         self.model.router = TokenRouter(routes, True, self.fp32_after_route)
 
     def losses(self, batch, seed: int, candidate) -> torch.Tensor:
@@ -198,7 +198,7 @@ class DiffusersSubject:
         activation fraction counts the text tokens, which every block holds and no route drops."""
         dense, routed = self._forward_flops(batch, None), self._forward_flops(batch, candidate)
         image, text = self.image_tokens(batch), batch[1].shape[1]
-        routes = as_routes([candidate.as_route()], self.depth)
+        routes = resolve_routes([candidate.as_route()], self.depth)
         kept = tokens_per_block(self.depth, image, routes)
         return {"flop_speedup_bound": dense / routed,
                 "activation_memory_fraction": (sum(kept) + self.depth * text) / (self.depth * (image + text))}

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from dit import dit_defaults, get_model, model_kwargs
+from dit import FUSIONS, dit_defaults, get_model, model_kwargs
 from edm import EDMLoss, EDMPrecond
 from rectified_flow import FlowPrecond, RFLoss
+from routing_module import saved_routes
 from training.exported import read_export
 from tread_utils.errors import UserError
 from tread_utils.hub import is_exported_folder
@@ -122,10 +123,16 @@ SHAPE_KEYS = ("depth", "hidden_size", "num_heads", "mlp_ratio", "patch_size", "i
               "num_classes", "qk_norm", "block_type")  # the model arguments that make the weights what they are
 
 
+def saved_params(params: dict) -> dict:
+    """A saved run's `model.params` in today's keys (routing_module.saved_routes: a run trained before a fusion's
+    settings moved into its fusion_options still samples and fine-tunes)."""
+    return {**params, "routes": saved_routes(params.get("routes"), FUSIONS)}
+
+
 def check_same_model(source_model: dict, model: dict, source) -> None:
     """One line naming the first size in which `source`'s model (its config's `model`) differs from this
     config's `model`, e.g. "the source has depth 4, this config 12"."""
-    theirs = {**dit_defaults(), **model_kwargs(source_model["backbone_type"], source_model["params"],
+    theirs = {**dit_defaults(), **model_kwargs(source_model["backbone_type"], saved_params(source_model["params"]),
                                                where=f"{source}'s model")}
     ours = {**dit_defaults(), **model_kwargs(model["backbone_type"], model["params"])}
     for key in SHAPE_KEYS:
@@ -216,7 +223,7 @@ def net_from_state(state: dict, source="checkpoint", device="cpu"):
     if "ema" not in state:
         raise UserError(f"checkpoint {source} holds no EMA weights")
     try:
-        model = get_model(cfg["model"]["backbone_type"], cfg["model"]["params"])
+        model = get_model(cfg["model"]["backbone_type"], saved_params(cfg["model"]["params"]))
         diffuser = OmegaConf.create({"name": "edm", **cfg["diffuser"]})
     except (KeyError, TypeError) as e:
         raise UserError(f"checkpoint {source} has an incomplete model/diffuser config ({e!r} missing)") from None

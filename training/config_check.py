@@ -66,7 +66,8 @@ def unknown_key(root, full_key: str) -> UserError:
     parent, _, name = full_key.rpartition(".")
     cls = schema_at(root, parent)
     known = ", ".join(f.name for f in dataclasses.fields(cls)) if cls else "none"
-    return UserError(f"unknown config key {full_key}; {parent or 'the top level'} has: {known}")
+    hint = getattr(cls, "UNKNOWN_KEY_HINT", "").format(parent=parent, key=name)
+    return UserError(f"unknown config key {full_key}; {parent or 'the top level'} has: {known}{hint}")
 
 
 def dotted(full_key: str) -> str:
@@ -268,17 +269,11 @@ def check_cross(cfg, world_size: int):
     dims = 2 if e.smoke else S.SCORER_FEATURE_DIMS[cfg.dataset.kind]  # smoke: warned at run time instead
     if e.eval_interval > 0 and e.fid_num_samples < dims:
         raise refuse("train.eval.fid_num_samples", e.fid_num_samples,
-                     f"at least {dims}, the feature dimension of the {cfg.dataset.kind} FID scorer (fewer samples "
-                     f"give a singular covariance)", f"e.g. train.eval.fid_num_samples={max(dims, 2 * dims)}, "
-                     f"or train.eval.eval_interval=0 (train.eval.smoke=true: an offline smoke run from 2 samples)")
+                     f"at least {dims}, the {cfg.dataset.kind} FID scorer's feature dimension (fewer give a "
+                     f"singular covariance)", f"e.g. train.eval.fid_num_samples={max(dims, 2 * dims)}, or "
+                     f"train.eval.eval_interval=0 (train.eval.smoke=true: a smoke run from 2 samples)")
     if e.eval_interval > 0:
         check_guidance_has_dropout("train.eval.cfg_scales", list(e.cfg_scales), g.class_drop_prob)
-    sprint = cfg.model.params.enable_routing and any((r.get("fusion") or "none") == "sprint"
-                                                     for r in cfg.model.params.get("routes") or [])
-    if e.eval_interval > 0 and e.path_drop_scales and not sprint:
-        raise refuse("train.eval.path_drop_scales", list(e.path_drop_scales), "[] for a model without SPRINT routes "
-                     "(path-drop guidance drops their deep path)", "e.g. model.params.routes.0.fusion=sprint, or "
-                     "train.eval.path_drop_scales=[]")
     keep = cfg.train.keep_checkpoints
     if keep.every is not None and keep.newest is None:
         raise refuse("train.keep_checkpoints.every", keep.every, "null while train.keep_checkpoints.newest=null "
@@ -345,6 +340,11 @@ def check_train_config(cfg, world_size: int = 1, overrides=()) -> CheckedTrainCo
     import dit  # the model code (torch) only now: backbone, model.params and routes, as get_model checks them
 
     model_args = dit.model_kwargs(data["model"]["backbone_type"], data["model"]["params"])
+    e = merged.train.eval
+    if e.eval_interval > 0 and e.path_drop_scales and not any(map(dit.drops_deep_path, model_args["routes"])):
+        raise refuse("train.eval.path_drop_scales", list(e.path_drop_scales), "[] for a model with no route whose "
+                     "fusion can drop its deep path", "e.g. model.params.routes.0.fusion=sprint, or "
+                     "train.eval.path_drop_scales=[]")
     check_repa(merged, model_args["depth"])
     from training.eval_inputs import check_eval_inputs
 

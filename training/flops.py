@@ -17,8 +17,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from dit import BLOCK_TYPES, RESTORES, DiT_models, get_model
-from routing_module import as_routes, num_kept
+from dit import BLOCK_TYPES, FUSIONS, DiT_models, drops_deep_path, get_model
+from routing_module import num_kept, resolve_routes
 from training import config_schema  # noqa: F401  (stores the schema the YAML extends in Hydra's ConfigStore)
 from training.repa import projector_training_flops
 from training.repa_teachers import TEACHERS, teacher_forward_flops
@@ -46,7 +46,7 @@ def training_step_flops(backbone_type: str, params: dict, batch_size: int, routi
 
 def sampling_forward_flops(backbone_type: str, params: dict, drop_deep_path: bool = False) -> int:
     """FLOPs of one network evaluation of one sample at inference (no token dropped), measured;
-    `drop_deep_path`: path-drop guidance's weak branch (the deep path of every SPRINT route skipped)."""
+    `drop_deep_path`: path-drop guidance's weak branch (the deep path of every route whose fusion drops it skipped)."""
     with torch.device("meta"):
         model = get_model(backbone_type, params).to("meta").eval()
     C, H = params["in_channels"], params["input_size"]
@@ -88,13 +88,18 @@ def block_forward_flops(a: dict, n: int) -> int:
     return 2 * n * D * 3 * D + 2 * 2 * n * n * D + 2 * n * D * D + mlp + ada
 
 
-def fp32_blocks(backbone_type: str, params: dict) -> list:
+def placed_routes(backbone_type: str, params: dict) -> list:
+    """The routes of `params` placed in the model (routing_module.resolve_routes: resolved routes come back as
+    they are, so a launch's pass through unchanged)."""
+    return resolve_routes(params.get("routes"), architecture(backbone_type, params)["depth"], FUSIONS)
+
+
+def fp32_blocks(depth: int, routes, fp32_after_route) -> list:
     """The blocks that run in float32 under autocast: the one right after each route ends, when
-    `fp32_after_route` is on (the authors' default)."""
-    depth = architecture(backbone_type, params)["depth"]
-    if params.get("fp32_after_route") is False:  # null: DiT's default, true
+    `fp32_after_route` is on (null: DiT's default, true; the authors')."""
+    if fp32_after_route is False:
         return []
-    return [r.end_layer_idx + 1 for r in as_routes(params.get("routes"), depth) if r.end_layer_idx + 1 < depth]
+    return [r.end_layer_idx + 1 for r in routes if r.end_layer_idx + 1 < depth]
 
 
 def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True) -> int:
@@ -103,12 +108,12 @@ def analytic_training_flops(backbone_type: str, params: dict, batch_size: int, r
     a = architecture(backbone_type, params)
     D, p, C = a["hidden_size"], a["patch_size"], params["in_channels"]
     N, S = a["num_tokens"], 16
-    routes = as_routes(params.get("routes"), a["depth"])
+    routes = placed_routes(backbone_type, params)
     counts = tokens_per_block(a["depth"], N, routes, routing)
     per_sample = sum(block_forward_flops(a, n) for n in counts)
     # the SSM's convolution kernels (forward and backward scan) are built once per batch, not per sample
     per_batch = sum(2 * 2 * D * S * n for n in counts) if a["block_type"] == "ssm" else 0
-    per_sample += sum(RESTORES[r.fusion].flops(D, N) for r in routes if r.fusion != "none")  # restore strategies
+    per_sample += sum(FUSIONS[r.fusion].flops(D, N) for r in routes if r.fusion != "none")
     per_sample += 2 * D * D                               # timestep MLP, second layer
     per_sample += 2 * D * 2 * D + 2 * N * D * p * p * C   # final adaLN and linear
     no_input_grad = 2 * N * C * p * p * D + 2 * 256 * D   # patch embedding, timestep MLP's first layer
@@ -119,28 +124,28 @@ def activation_memory_fraction(backbone_type: str, params: dict) -> float:
     """Estimated block activation memory with routing as a fraction of dense: activations stored for
     backward grow with the tokens a block sees (linearly with SDPA's flash/efficient kernels)."""
     a = architecture(backbone_type, params)
-    counts = tokens_per_block(a["depth"], a["num_tokens"], as_routes(params.get("routes"), a["depth"]))
+    counts = tokens_per_block(a["depth"], a["num_tokens"], placed_routes(backbone_type, params))
     return sum(counts) / (a["depth"] * a["num_tokens"])
 
 
 def routing_flop_report(backbone_type: str, params: dict, batch_size: int, repa: Optional[dict] = None,
                         dataset_kind: str = "digits") -> dict:
     """Training-step FLOPs with and without the configured routes and what they imply; with `repa` (the
-    config node) enabled, also REPA's extra FLOPs. `params["routes"]`: the config's, or resolved `Route`s (a
-    model's `router.routes`), resolved here once if they are not."""
-    params = dict(params, routes=as_routes(params.get("routes"), architecture(backbone_type, params)["depth"]))
+    config node) enabled, also REPA's extra FLOPs. `params["routes"]`: a launch's resolved `Route`s (or the
+    config's, resolved here)."""
+    params = dict(params, routes=placed_routes(backbone_type, params))
+    routes, a = params["routes"], architecture(backbone_type, params)
     routed = training_step_flops(backbone_type, params, batch_size, routing=True)
     dense = training_step_flops(backbone_type, params, batch_size, routing=False)
-    a = architecture(backbone_type, params)
-    fp32 = fp32_blocks(backbone_type, params)
+    fp32 = fp32_blocks(a["depth"], routes, params.get("fp32_after_route"))
     fp32_flops = batch_size * 3 * block_forward_flops(a, a["num_tokens"]) * len(fp32)
+    tokens = tokens_per_block(a["depth"], a["num_tokens"], routes)
     return {"flops_per_step_dense": dense, "flops_per_step_routed": routed, "flop_speedup_bound": dense / routed,
             "fp32_blocks": fp32, "fp32_flop_fraction": fp32_flops / routed,
             "analytic_flops_dense": analytic_training_flops(backbone_type, params, batch_size, routing=False),
             "analytic_flops_routed": analytic_training_flops(backbone_type, params, batch_size, routing=True),
-            "activation_memory_fraction": activation_memory_fraction(backbone_type, params),
-            "tokens_per_block": tokens_per_block(a["depth"], a["num_tokens"],
-                                                 as_routes(params.get("routes"), a["depth"])),
+            "activation_memory_fraction": sum(tokens) / (a["depth"] * a["num_tokens"]),
+            "tokens_per_block": tokens,
             **schedule_end_flops(backbone_type, params, batch_size),
             **guidance_flops(backbone_type, params),
             **repa_flops(backbone_type, params, batch_size, repa, dataset_kind)}
@@ -156,7 +161,7 @@ def repa_flops(backbone_type: str, params: dict, batch_size: int, repa: Optional
     if not repa or not repa.get("enabled"):
         return {}
     a = architecture(backbone_type, params)
-    tokens = tokens_per_block(a["depth"], a["num_tokens"], as_routes(params.get("routes"), a["depth"]))
+    tokens = tokens_per_block(a["depth"], a["num_tokens"], placed_routes(backbone_type, params))
     kept = tokens[int(repa["block"])]
     teacher_dim = TEACHERS[repa["encoder"]].dim
     resolution = params["input_size"] * IMAGE_SCALE[dataset_kind]
@@ -168,10 +173,10 @@ def repa_flops(backbone_type: str, params: dict, batch_size: int, repa: Optional
 
 
 def guidance_flops(backbone_type: str, params: dict) -> dict:
-    """With SPRINT routes: one guided sampling step of one sample under classifier-free guidance (two full
-    passes) and under path-drop guidance (a full pass and one without the deep paths)."""
-    routes = as_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
-    if not any(r.fusion == "sprint" for r in routes):
+    """With a route whose fusion can drop its deep path: one guided sampling step of one sample under
+    classifier-free guidance (two full passes) and under path-drop guidance (a full pass and one without the deep
+    paths)."""
+    if not any(drops_deep_path(r) for r in placed_routes(backbone_type, params)):
         return {}
     full = sampling_forward_flops(backbone_type, params)
     return {"cfg_step_flops": 2 * full, "pdg_step_flops": full + sampling_forward_flops(backbone_type, params, True)}
@@ -179,8 +184,7 @@ def guidance_flops(backbone_type: str, params: dict) -> dict:
 
 def schedule_end_flops(backbone_type: str, params: dict, batch_size: int) -> dict:
     """With a ratio schedule, the routed step's FLOPs at its end (the report's other counts are at its start)."""
-    routes = as_routes(params.get("routes"), architecture(backbone_type, params)["depth"])
-    ends = [r.schedule.end_step for r in routes if r.schedule.kind != "constant"]
+    ends = [r.schedule.end_step for r in placed_routes(backbone_type, params) if r.schedule.kind != "constant"]
     if not ends:
         return {}
     return {"schedule_end_step": max(ends),

@@ -1,15 +1,11 @@
 """A TREAD route, declared once: the config schema node of `model.params.routes` (training/config_schema.py
-stores it in Hydra's ConfigStore) and the object the router runs (routing_module.py).
+stores it in Hydra's ConfigStore) and the object the router runs (routing_module.py, whose `resolve_routes`
+places a model's routes in its depth and checks the rule and fusion each names). A `Route` holds what every
+route has; a fusion's own settings are its `fusion_options`, checked against its builder's signature.
 
-`Route` and its `Schedule` check their own values when built, so a route that exists is a valid one;
-`resolve_routes` then places a model's routes in its depth: negative indices count from the last block, and
-routes run in order without overlap. The selection rule's name and options are checked against the registry
-of rules in routing_module.py (which needs torch); everything here is torch-free, so a config is refused
-before torch is imported.
-
-Both dataclasses are immutable once built, like `frozen=True` ones, without declaring it: OmegaConf makes the
-config nodes of a frozen dataclass read-only, and Hydra's overrides (`model.params.routes.0.selection=...`)
-write to them.
+Torch-free, so a config is refused before torch is imported. Both dataclasses are immutable once built, like
+`frozen=True` ones, without declaring it: OmegaConf makes the config nodes of a frozen dataclass read-only, and
+Hydra's overrides (`model.params.routes.0.selection=...`) write to them.
 """
 import math
 from dataclasses import MISSING, FrozenInstanceError, dataclass, field, fields, replace
@@ -18,8 +14,6 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from tread_utils.errors import UserError
 
 SCHEDULE_KINDS = ("constant", "linear", "cosine")
-MASK_TOKEN_INITS = ("normal", "zeros")
-FUSION_INITS = ("xavier", "deep")
 
 
 class RouteError(UserError):
@@ -69,7 +63,8 @@ def from_mapping(cls, spec: Mapping, noun: str = ""):
     accepted = [f.name for f in fields(cls)]
     unknown = sorted(set(spec) - set(accepted))
     if unknown:
-        raise RouteError(f"unknown {noun}key(s) {unknown}; accepted: {', '.join(accepted)}")
+        hint = getattr(cls, "UNKNOWN_KEY_HINT", "").format(parent="model.params.routes.N", key=unknown[0])
+        raise RouteError(f"unknown {noun}key(s) {unknown}; accepted: {', '.join(accepted)}{hint}")
     return cls(**{k: v for k, v in spec.items() if v is not None})
 
 
@@ -130,14 +125,12 @@ class Route(Immutable):
     options: Dict[str, Any] = doc("the selection rule's keyword options, e.g. importance_mix", factory=dict)
     importance_mix: Optional[float] = doc("importance: options.importance_mix, also accepted here", None)
     schedule: Schedule = doc("the ratio as a function of the training step", factory=Schedule)
-    fusion: str = doc("how the route restores the sequence: none (TREAD: skipped tokens rejoin unchanged) or a "
-                      "restore strategy of dit.RESTORES: sprint (SPRINT's sparse deep path), ...", "none")
-    fusion_options: Dict[str, Any] = doc("the restore strategy's keyword options (SPRINT's are the sprint keys below)",
-                                         factory=dict)
-    path_drop_prob: float = doc("sprint: training samples whose deep output is all mask tokens, in [0, 1)", 0.1)
-    mask_token_trainable: bool = doc("sprint: train the mask token (SPRINT: frozen)", False)
-    mask_token_init: str = doc("sprint: mask token init, normal (std 0.02, SPRINT's) or zeros", "normal")
-    fusion_init: str = doc("sprint: 2C -> C projection init, xavier (SPRINT's) or deep ([I | 0])", "xavier")
+    fusion: str = doc("how the route gives the sequence back: none (TREAD: the skipped tokens rejoin unchanged) "
+                      "or a fusion of dit.FUSIONS: sprint (SPRINT's sparse deep path), ...", "none")
+    fusion_options: Dict[str, Any] = doc("the fusion's options, its builder's keyword-only parameters", factory=dict)
+
+    # where a key that is no route's goes (an unknown key's refusal says it: config_check and from_mapping)
+    UNKNOWN_KEY_HINT = "; a fusion's own setting goes in its fusion_options: +{parent}.fusion_options.{key}=..."
 
     def __post_init__(self):
         for which, integer in (("start_layer_idx", True), ("end_layer_idx", True), ("selection_ratio", False)):
@@ -163,19 +156,9 @@ class Route(Immutable):
         if not isinstance(self.schedule, Schedule):
             raise self.error(f"schedule must be a mapping, got {self.schedule!r}")
         if not isinstance(self.fusion, str) or not isinstance(self.fusion_options, Mapping):
-            raise self.error(f"fusion must be a restore strategy's name and fusion_options a mapping, got "
+            raise self.error(f"fusion must be a fusion's name and fusion_options a mapping, got "
                              f"{self.fusion!r} and {self.fusion_options!r}")
-        self._set(fusion_options=dict(self.fusion_options))
-        for which, allowed in (("mask_token_init", MASK_TOKEN_INITS), ("fusion_init", FUSION_INITS)):
-            if getattr(self, which) not in allowed:
-                raise self.error(f"{which} must be one of {', '.join(allowed)}, got {getattr(self, which)!r}")
-        problem = ratio_problem(self.path_drop_prob, "path_drop_prob", " (the fraction of training samples whose deep "
-                                "path is replaced by mask tokens)")
-        if problem:
-            raise self.error(problem)
-        if not isinstance(self.mask_token_trainable, bool):
-            raise self.error(f"mask_token_trainable must be true or false, got {self.mask_token_trainable!r}")
-        self._set(path_drop_prob=float(self.path_drop_prob), _checked=True)
+        self._set(fusion_options=dict(self.fusion_options), _checked=True)
 
     def error(self, message: str) -> RouteError:
         valid = is_number(self.start_layer_idx, True) and is_number(self.end_layer_idx, True) and \
@@ -183,47 +166,36 @@ class Route(Immutable):
         where = f" ({self.start_layer_idx} -> {self.end_layer_idx}, ratio {self.selection_ratio})" if valid else ""
         return RouteError(f"route{where}: {message}", message, where)
 
-    def resolve(self, depth: int) -> "Route":
-        """This route in a model of `depth` blocks: negative indices as block numbers, inside the model, start <= end."""
-        for which in ("start_layer_idx", "end_layer_idx"):
-            idx = getattr(self, which)
-            if not -depth <= idx < depth:
-                raise self.error(f"{which}={idx} is outside a model of depth {depth} "
-                                 f"(valid: 0..{depth - 1}, or -{depth}..-1 counting from the last block)")
-        start, end = self.start_layer_idx % depth, self.end_layer_idx % depth
-        if start > end:
-            raise self.error(f"start block {start} comes after end block {end} (depth {depth}); a route runs "
-                             f"forward from start_layer_idx to end_layer_idx")
-        return replace(self, start_layer_idx=start, end_layer_idx=end)
+    @staticmethod
+    def placed(r, depth: int, index: int) -> "Route":
+        """Route `index` of a list (a `Route` or a config mapping) in a model of `depth` blocks: negative indices as
+        block numbers, inside the model, start <= end (routing_module.resolve_routes places the whole list). A
+        refusal names the route by its place in the list."""
+        if not isinstance(r, (Route, Mapping)):
+            raise RouteError(f"route {index} ({r!r}) needs integer start_layer_idx, end_layer_idx and a float "
+                             f"selection_ratio")
+        missing = [k for k in ("start_layer_idx", "end_layer_idx", "selection_ratio")
+                   if isinstance(r, Mapping) and r.get(k) is None]
+        if missing:
+            raise RouteError(f"route {index} needs integer start_layer_idx, end_layer_idx and a float "
+                             f"selection_ratio; it has no {' or '.join(missing)}")
+        try:
+            route = from_mapping(Route, r) if isinstance(r, Mapping) else r
+            for which in ("start_layer_idx", "end_layer_idx"):
+                idx = getattr(route, which)
+                if not -depth <= idx < depth:
+                    raise route.error(f"{which}={idx} is outside a model of depth {depth} "
+                                      f"(valid: 0..{depth - 1}, or -{depth}..-1 counting from the last block)")
+            start, end = route.start_layer_idx % depth, route.end_layer_idx % depth
+            if start > end:
+                raise route.error(f"start block {start} comes after end block {end} (depth {depth}); a route runs "
+                                  f"forward from start_layer_idx to end_layer_idx")
+        except RouteError as e:
+            raise RouteError(f"route {index}{e.where}: {e.detail}") from None
+        return replace(route, start_layer_idx=start, end_layer_idx=end)
 
     def ratio_at(self, step: Optional[int]) -> float:
         """The ratio in training at `step` (None: not told, the schedule's start)."""
         if self.schedule.kind == "constant":
             return self.selection_ratio
         return self.schedule.ratio_at(self.schedule.start_step if step is None else step, self.selection_ratio)
-
-
-def place_routes(routes: Optional[Sequence], depth: int) -> list:
-    """Routes (`Route`s, or the config's mappings) in a model of `depth` blocks, each resolved, in order and
-    without overlap. A refusal names the route by its place in the list."""
-    placed = []
-    for i, r in enumerate(routes or []):
-        if not isinstance(r, (Route, Mapping)):
-            raise RouteError(f"route {i} ({r!r}) needs integer start_layer_idx, end_layer_idx and a float "
-                             f"selection_ratio")
-        missing = [k for k in ("start_layer_idx", "end_layer_idx", "selection_ratio")
-                   if isinstance(r, Mapping) and r.get(k) is None]
-        if missing:
-            raise RouteError(f"route {i} needs integer start_layer_idx, end_layer_idx and a float selection_ratio; "
-                             f"it has no {' or '.join(missing)}")
-        try:
-            route = (from_mapping(Route, r) if isinstance(r, Mapping) else r).resolve(depth)
-        except RouteError as e:  # named by its place in the list
-            raise RouteError(f"route {i}{e.where}: {e.detail}") from None
-        if placed and route.start_layer_idx <= placed[-1].end_layer_idx:
-            prev = placed[-1]
-            raise RouteError(f"route {i} ({route.start_layer_idx} -> {route.end_layer_idx}): overlaps or comes "
-                             f"before route {i - 1} ({prev.start_layer_idx} -> {prev.end_layer_idx}) in a model of "
-                             f"depth {depth}; list routes in order, each starting after the previous one ends")
-        placed.append(route)
-    return placed
