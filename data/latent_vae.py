@@ -52,11 +52,9 @@ def resolve_vae(name: str, option: str):
         return config
     why = hub_unavailable()
     if why:
-        raise UserError(f"VAE weights for {name} are not available: not in the Hugging Face cache, and the hub "
-                        f"cannot be tried ({why}); "
-                        f"download it with `huggingface-cli download {name}` on a machine with network access "
-                        f"(set HF_HOME to share the cache), or set {option}=DIR, a local diffusers folder holding "
-                        f"config.json and the weights")
+        raise UserError(f"VAE weights for {name} are not in the Hugging Face cache and the hub cannot be tried "
+                        f"({why}): `huggingface-cli download {name}` where there is network (HF_HOME shares the "
+                        f"cache), or {option}=DIR, a diffusers VAE folder")
     return None
 
 

@@ -376,8 +376,8 @@ class LatentShardDataset(torch.utils.data.Dataset):
         layouts = {(c, s, s): "latent", (2 * c, s, s): "moments", (2, c, s, s): "pair", (2, 2 * c, s, s): "pair_moments"}
         if tuple(shape) not in layouts:
             raise UserError(f"{where}: stored latent shape {list(shape)} does not fit in_channels={c}, input_size={s} "
-                            f"(want [{c},{s},{s}], [{2 * c},{s},{s}] moments, or [2,...] flip pairs of those); "
-                            f"set the model's in_channels/input_size to match the data or re-extract")
+                            f"([{c},{s},{s}], [{2 * c},{s},{s}] moments, or [2,...] flip pairs of those); match "
+                            f"dataset.in_channels/input_size to the data or re-extract")
         return layouts[tuple(shape)]
 
     def __len__(self):

@@ -269,7 +269,7 @@ def check_cross(cfg, world_size: int):
     dims = 2 if e.smoke else S.SCORER_FEATURE_DIMS[cfg.dataset.kind]  # smoke: warned at run time instead
     if e.eval_interval > 0 and e.fid_num_samples < dims:
         raise refuse("train.eval.fid_num_samples", e.fid_num_samples,
-                     f"at least {dims}, the {cfg.dataset.kind} FID scorer's feature dimension (fewer give a "
+                     f"at least {dims}, the {cfg.dataset.kind} FID scorer's feature dimension (fewer: a "
                      f"singular covariance)", f"e.g. train.eval.fid_num_samples={max(dims, 2 * dims)}, or "
                      f"train.eval.eval_interval=0 (train.eval.smoke=true: a smoke run from 2 samples)")
     if e.eval_interval > 0:

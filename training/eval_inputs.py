@@ -33,10 +33,9 @@ def check_inception_weights(weights):
     why = marked_offline((I.OFFLINE_ENV, *HUB_OFFLINE_ENVS))
     why = f"{why}=1" if why else unreachable(I.WEIGHTS_URL)
     if why:
-        raise UserError(f"Inception weights {I.WEIGHTS_FILENAME} are not here (train.eval.inception_weights=null, "
-                        f"${I.WEIGHTS_ENV} unset, none in {I.weight_cache_dirs()[0]}) and cannot be downloaded "
-                        f"({why}); download {I.WEIGHTS_URL} and set train.eval.inception_weights=PATH, or "
-                        f"train.eval.smoke=true for an offline smoke run (random weights, meaningless numbers)")
+        raise UserError(f"Inception weights are not here and cannot be downloaded ({why}): give pytorch-fid's "
+                        f"{I.WEIGHTS_FILENAME} as train.eval.inception_weights=PATH (docs/sampling.md), or "
+                        f"train.eval.smoke=true")
 
 
 def check_eval_inputs(cfg):
