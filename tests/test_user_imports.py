@@ -1,6 +1,7 @@
-"""The `imports` key: a selection rule registered in the user's own file reaches train.py (with its in-training
-evaluation) and sample.py (from the run's saved config); what cannot be imported is refused in one line that names
-the key. And `import dit` alone, what such a file starts with, loads no config machinery.
+"""The `imports` key: a selection rule and a fusion registered in the user's own file reach train.py (with its
+in-training evaluation), sample.py (from the run's saved config) and its guidance; what cannot be imported, or a
+name no module registered, is refused in one line that points at the key. And `import dit` alone, what such a
+file starts with, loads no config machinery.
 
 The user's files are written into a folder of their own, which the commands run from (the working directory is
 on the import path), as docs/extensions.md's "Your own code" shows; its example is run here as written.
@@ -12,9 +13,11 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, assert_one_line_error, subprocess_env, tiny_overrides
 from train_runs import records
+from training.checkpoint import list_checkpoints
 from tread_utils.user_imports import import_user_modules
 
 DOCS = REPO / "docs" / "extensions.md"
@@ -23,6 +26,22 @@ TINY_EVAL = ["train.max_steps=2", "train.ckpt_every=2", "train.logging.log_inter
              "train.eval.eval_interval=2", "train.eval.fid_num_samples=128", "train.eval.batch_size=64",
              "train.eval.sampler.num_steps=2"]
 TINY_SAMPLE = ["num_samples=4", "sampler.num_steps=2", "progress=false"]
+
+GATED = '''
+import torch, torch.nn as nn
+import dit
+from routing_module import Fusion
+class Gated(nn.Module):
+    def __init__(self, hidden_size, gate_init):
+        super().__init__(); self.gate = nn.Parameter(torch.full((hidden_size,), gate_init))
+    def forward(self, x_deep, x_shallow, keep_idx):  # keep_idx [B, K] always (K = N when no token was dropped)
+        idx = keep_idx.unsqueeze(-1).expand(-1, -1, x_shallow.shape[-1])
+        return x_shallow.scatter(1, idx, self.gate * x_deep + (1 - self.gate) * x_shallow.gather(1, idx))
+def build_gated(hidden_size, route, *, gate_init: float = 1.0):
+    return Gated(hidden_size, gate_init)
+dit.FUSIONS["gated"] = Fusion(build=build_gated, flops=lambda hidden, tokens: 3 * tokens * hidden)
+'''
+
 
 def docs_example() -> tuple:
     """(the module, the commands) of docs/extensions.md's "Your own code": its python block and its console lines
@@ -81,14 +100,39 @@ def test_sampling_without_the_users_module_is_refused_in_one_line(rule_run, tmp_
     user, run_dir = rule_run
     elsewhere = run(tmp_path, "sample.py", f"ckpt={run_dir}", *TINY_SAMPLE, f"out={tmp_path / 's.npz'}")
     assert_one_line_error(elsewhere, "imports=[my_rules]", "no module my_rules", "saved with")
+    unsaved = tmp_path / "no_imports.pt"  # a run trained without the key (by runpy, say): the rule is still named
+    state = torch.load(list_checkpoints(run_dir / "checkpoints")[-1][1], weights_only=True)
+    del state["config"]["imports"]
+    torch.save(state, unsaved)
+    none = run(user, "sample.py", f"ckpt={unsaved}", *TINY_SAMPLE, f"out={tmp_path / 's.npz'}")
+    assert_one_line_error(none, "lowest_norm", "imports=[your_module]")
     assert not (tmp_path / "s.npz").exists()
 
 
-def test_training_refuses_a_module_it_cannot_import(tmp_path):
+def test_a_fusion_of_the_users_file_trains_evaluates_samples_and_guides(tmp_path):
+    (tmp_path / "my_fusion.py").write_text(GATED)
+    gated = ["imports=[my_fusion]", "model.params.routes.0.fusion=gated",
+             "+model.params.routes.0.fusion_options.gate_init=0.5"]
+    ok(run(tmp_path, "train.py", *tiny_overrides("tread"), *TINY_EVAL, *gated))
+    run_dir = tmp_path / "results" / "tread-digits"
+    assert records(run_dir, "fid").keys() == {2}
+    gate = torch.load(list_checkpoints(run_dir / "checkpoints")[-1][1], weights_only=True)["ema"]["fusions.0.gate"]
+    assert gate.shape == (32,)  # the user's module is the route's fusion, in the weights sampling loads strictly
+    sampled = {name: run(tmp_path, "sample.py", f"ckpt={run_dir}", *TINY_SAMPLE, f"out={tmp_path / name}.npz", *extra)
+               for name, extra in {"plain": [], "routing": ["routing_guidance.scale=1.5"],
+                                   "path_drop": ["path_drop_guidance.scale=1.5"]}.items()}
+    ok(sampled["plain"])
+    ok(sampled["routing"])
+    assert "path-drop" in last_line(sampled["path_drop"]).lower()
+    assert not (tmp_path / "path_drop.npz").exists()
+
+
+def test_training_refuses_a_module_it_cannot_import_and_a_name_no_module_registered(tmp_path):
     (tmp_path / "broken.py").write_text("import routing_module\nroutng_module.SELECTIONS['x'] = None\n")
     cases = {"imports=[nowhere]": ("imports=[nowhere]", "no module nowhere", str(tmp_path)),
              "imports=[rules/my_rules.py]": ("imports=[rules/my_rules.py]", "imports=[my_rules]"),
-             "imports=[broken]": ("imports=[broken]", "NameError", "broken.py, line 2")}
+             "imports=[broken]": ("imports=[broken]", "NameError", "broken.py, line 2"),
+             "model.params.routes.0.selection=lowest_norm": ("lowest_norm", "imports=[your_module]")}
     for override, needles in cases.items():
         proc = run(tmp_path, "train.py", f"results_dir={tmp_path / 'results'}", *tiny_overrides("tread"), override)
         assert_one_line_error(proc, *needles)
