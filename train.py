@@ -88,22 +88,24 @@ def main(cfg: DictConfig):
                                    f"results_dir= to a folder this job can write")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        run(cfg, run_dir, lock, dataset, checked.model_args)
+        run(checked, run_dir, lock, dataset)
     finally:
         if lock is not None:
             lock.release()
 
 
-def run(cfg, run_dir: Path, lock, dataset, model_args: dict):
+def run(checked, run_dir: Path, lock, dataset):
+    """Train the checked config (the typed config and the model's arguments: nothing below reads another)."""
     from training.loop import training_loop
+
+    cfg = checked.config
     from training.run_dir import prepare_run_dir, write_status
 
     try:
         prepare_run_dir(run_dir, cfg.resume, is_main=int(os.environ.get("RANK", 0)) == 0)  # before "running"
         write_status(run_dir, "running")
-        training_loop(cfg, end_training=not is_multirun(),  # a sweep's jobs share one process group
-                      heartbeat=lock.refresh if lock is not None else None, dataset=dataset,
-                      model_args=model_args)
+        training_loop(checked, end_training=not is_multirun(),  # a sweep's jobs share one process group
+                      heartbeat=lock.refresh if lock is not None else None, dataset=dataset)
         write_status(run_dir, "completed")
     except SystemExit as e:  # a signal stopped the run after its checkpoint
         write_status(run_dir, "stopped", exit_code=e.code)

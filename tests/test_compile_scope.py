@@ -78,7 +78,7 @@ def train_run(tmp_path, name, *overrides) -> list:
                                            "train.logging.tensorboard=false", "train.logging.log_interval=1",
                                            "train.mixed_precision=bf16", "train.max_steps=3", *overrides])
     checked = check_train_config(cfg, world_size=1)
-    loop.training_loop(checked.config, model_args=checked.model_args)
+    loop.training_loop(checked)
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "loss" in r]
 

@@ -117,7 +117,7 @@ def test_config_model_tread_with_a_lightningdit_backbone_trains(tmp_path, monkey
                                            *TINY_TRAIN, "train.general.num_workers=0", "train.logging.log_interval=1",
                                            "train.max_steps=2", "train.ckpt_every=2"])
     checked = check_train_config(cfg, world_size=1)
-    loop.training_loop(checked.config, model_args=checked.model_args)
+    loop.training_loop(checked)
     records = [json.loads(line) for line in (tmp_path / "ldit" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)

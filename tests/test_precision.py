@@ -11,6 +11,7 @@ from lab import bench
 from tools import finetune_lora
 from training import loop
 from training.checkpoint import load_checkpoint
+from training.config_check import check_train_config
 from training.loop import save_snapshot, setup
 from tread_utils.precision import precision_policy, set_precision_policy
 
@@ -27,7 +28,7 @@ def train_setup(tmp_path, tf32: bool, *more):
                                            "train.general.batch_size=8", "train.eval.eval_interval=0",
                                            "train.logging.tensorboard=false", f"train.tf32={str(tf32).lower()}",
                                            *more])
-    return setup(cfg)
+    return setup(check_train_config(cfg))
 
 
 @pytest.mark.parametrize("tf32", [True, False])

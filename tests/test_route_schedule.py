@@ -95,8 +95,7 @@ def test_resume_under_a_schedule_equals_an_uninterrupted_run(tmp_path, capsys):
         with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
             cfg = compose("config", overrides=[f"results_dir={tmp_path}", f"run_name={name}",
                                                *tiny_overrides("tread"), *SCHEDULE, f"train.max_steps={steps}"])
-        check_train_config(cfg)
-        training_loop(cfg, end_training=False)
+        training_loop(check_train_config(cfg), end_training=False)
 
     train("straight", 6)
     out = capsys.readouterr().out

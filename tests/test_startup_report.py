@@ -23,8 +23,7 @@ def test_startup_names_selection_options_and_a_launch_that_started_one_process(t
             "model.params.routes.0.selection=importance", "+model.params.routes.0.options.importance_mix=0.25",
             "train.max_steps=1", "train.ckpt_every=1", "train.logging.log_interval=1", "train.general.num_workers=0",
             "train.cpu_threads=1", "train.general.batch_size=4"])
-    check_train_config(cfg)
-    training_loop(cfg, end_training=False)
+    training_loop(check_train_config(cfg), end_training=False)
     out = capsys.readouterr().out
     assert "routes 1->2 at 0.5 (importance selection importance_mix=0.25), 1 process(es) on cpu" in out
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]

@@ -11,6 +11,7 @@ from conftest import REPO, TINY_MODEL, TINY_ROUTE, tiny_overrides
 from train_runs import run_train, start_train, wait_train
 from training import loop
 from training.checkpoint import list_checkpoints, load_checkpoint
+from training.config_check import check_train_config
 
 
 def test_grad_clip_bounds_the_gradient_the_optimizer_steps_with(tmp_path, monkeypatch):
@@ -40,7 +41,7 @@ def test_grad_clip_bounds_the_gradient_the_optimizer_steps_with(tmp_path, monkey
                                            "train.eval.eval_interval=0", "train.logging.tensorboard=false",
                                            "train.mixed_precision=bf16", f"train.optimizer.grad_clip={clip}",
                                            "train.max_steps=1"])
-    loop.training_loop(cfg)
+    loop.training_loop(check_train_config(cfg))
     assert dtypes == [torch.bfloat16]
     (grads,), (stepped,) = pre, post
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

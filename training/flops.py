@@ -17,12 +17,13 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from dit import BLOCK_TYPES, FUSIONS, DiT_models, drops_deep_path, get_model
+from dit import BLOCK_TYPES, FUSIONS, DiT_models, drops_deep_path, get_model, model_kwargs
 from routing_module import num_kept, resolve_routes
 from training import config_schema  # noqa: F401  (stores the schema the YAML extends in Hydra's ConfigStore)
 from training.repa import projector_training_flops
 from training.repa_teachers import TEACHERS, teacher_forward_flops
 from tread_utils.errors import UserError, exit_with
+from tread_utils.user_imports import import_user_modules
 
 
 def training_step_flops(backbone_type: str, params: dict, batch_size: int, routing: bool = True,
@@ -227,7 +228,9 @@ def main():
     @hydra.main(config_path="../configs", config_name="config", version_base="1.3")
     def report(cfg):
         try:
+            import_user_modules(cfg.imports)  # a size, block, rule or fusion registered in the user's own module
             params = OmegaConf.to_container(cfg.model.params, resolve=True)
+            model_kwargs(cfg.model.backbone_type, params)  # the one-line refusal of a bad backbone or route
             params["enable_routing"] = True
             repa = OmegaConf.to_container(cfg.repa, resolve=True)
             report = routing_flop_report(cfg.model.backbone_type, params, 1, repa, cfg.dataset.kind)

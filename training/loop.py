@@ -21,11 +21,12 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from data import ResumableBatchSampler, build_dataset, loader_workers
-from dit import DiT, model_kwargs
+from dit import DiT
 from training import checkpoint as ckpt
 from training import fsdp
 from training.checkpoint import build_denoiser, build_objective
 from training.compile import CompileStats, compile_backbone
+from training.config_check import CheckedTrainConfig
 from training.in_training_eval import TrainingEvaluator
 from training.repa import build_repa
 from training.progress import Progress
@@ -117,7 +118,7 @@ class Run:
     @property
     def accum(self) -> int:
         """Micro-batches per optimizer step."""
-        return int(self.cfg.train.general.get("grad_accum_steps", 1))
+        return self.cfg.train.general.grad_accum_steps
 
     @property
     def trained_params(self) -> list:
@@ -128,7 +129,8 @@ class Run:
         return self.run_dir / "checkpoints"
 
 
-def setup(cfg: DictConfig, dataset=None, model_args=None) -> Run:
+def setup(checked: CheckedTrainConfig, dataset=None) -> Run:
+    cfg = checked.config
     accelerator = start(cfg)
     is_main, device = accelerator.is_main_process, accelerator.device
 
@@ -139,7 +141,7 @@ def setup(cfg: DictConfig, dataset=None, model_args=None) -> Run:
     state = ckpt.load_checkpoint(source) if found else None
 
     # Construct network, EMA, objective and optimizer; resume them (or start from another run's weights).
-    run = construct(cfg, accelerator, run_dir, model_args)
+    run = construct(cfg, accelerator, run_dir, checked.model_args)
     if state is not None:
         run.step = load_training_state(run, state, source)
     elif cfg.init_from:
@@ -184,12 +186,10 @@ def start(cfg: DictConfig) -> Accelerator:
     return accelerator
 
 
-def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path, model_args=None) -> Run:
+def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path, model_args: dict) -> Run:
     """Network, EMA, objective (with REPA's projector when on) and optimizer: identical initial weights on
-    every rank. `model_args`: the config check's (None: checked here)."""
+    every rank. `model_args`: the config check's, routes resolved."""
     torch.manual_seed(cfg.global_seed)
-    if model_args is None:
-        model_args = model_kwargs(cfg.model.backbone_type, OmegaConf.to_container(cfg.model.params, resolve=True))
     model = DiT(**model_args)
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     denoiser, loss_fn = build_objective(cfg.diffuser, model)
@@ -204,7 +204,7 @@ def construct(cfg: DictConfig, accelerator: Accelerator, run_dir: Path, model_ar
     optimizer = build_adamw(trained, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     compiled = CompileStats.start() if cfg.train.compile else None
     if compiled is not None:
-        denoiser.model = compile_backbone(model, cfg.train.compile_scope, dynamic=cfg.train.get("compile_dynamic"))
+        denoiser.model = compile_backbone(model, cfg.train.compile_scope, dynamic=cfg.train.compile_dynamic)
     return Run(cfg, accelerator, run_dir, model, ema, net, loss_fn, optimizer, projector, compiled=compiled,
                model_args=model_args)
 
@@ -232,12 +232,12 @@ def training_dataset(cfg: DictConfig):
     it before the run folder exists, so a bad dataset leaves nothing behind."""
     g = cfg.train.general
     return build_dataset(cfg.dataset, seed=cfg.global_seed, teacher_images=bool(cfg.repa.enabled),
-                         global_batch=g.batch_size // g.get("grad_accum_steps", 1))
+                         global_batch=g.batch_size // g.grad_accum_steps)
 
 
 def learning_rate(o, step: int) -> float:
     """The learning rate of optimizer step `step` (0-based): a function of the step alone, so resume is exact."""
-    warmup = int(o.get("warmup_steps", 0) or 0)
+    warmup = o.warmup_steps
     return float(o.lr) * min(1.0, (step + 1) / warmup) if warmup > 0 else float(o.lr)
 
 
@@ -266,7 +266,7 @@ def update_weights(run: Run, step: int, model_params: list, ema_params: list):
     t, o = run.cfg.train, run.cfg.train.optimizer
     for group in run.optimizer.param_groups:
         group["lr"] = learning_rate(o, step)
-    run.model.router.set_step(step, t.get("routing_off_after"))
+    run.model.router.set_step(step, t.routing_off_after)
     loss = accumulate_gradients(run, run.cfg.model.params.num_classes, t.general.class_drop_prob)
     if o.grad_clip:
         run.accelerator.clip_grad_norm_(run.trained_params, o.grad_clip)
@@ -311,14 +311,15 @@ def evaluate(run: Run, step: int):
         Progress.write(f"step {step}: {format_metrics(scores)}")
 
 
-def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None, dataset=None, model_args=None):
-    """Train until train.max_steps, on a config `training.config_check` accepted. `end_training=False` keeps
-    the process group alive (one launch that runs a whole Hydra sweep); `heartbeat()` is called at every log
-    step, checkpoint and evaluation (the run lock's refresh); `dataset`: `training_dataset(cfg)`, built by the
-    caller before the run folder (None: built here); `model_args`: the config check's (None: checked here)."""
+def training_loop(checked: CheckedTrainConfig, end_training: bool = True, heartbeat=None, dataset=None):
+    """Train until train.max_steps, on what `training.config_check.check_train_config` returned: the typed config
+    and the model's checked arguments. `end_training=False` keeps the process group alive (one launch that runs a
+    whole Hydra sweep); `heartbeat()` is called at every log step, checkpoint and evaluation (the run lock's
+    refresh); `dataset`: `training_dataset(cfg)`, built by the caller before the run folder (None: built here)."""
     started = time.time()
     heartbeat = heartbeat or (lambda: None)
-    run = setup(cfg, dataset, model_args)
+    cfg = checked.config
+    run = setup(checked, dataset)
     run.started = started
     accelerator, t = run.accelerator, cfg.train
     model_params, ema_params = list(run.model.parameters()), list(run.ema.parameters())
@@ -326,7 +327,7 @@ def training_loop(cfg: DictConfig, end_training: bool = True, heartbeat=None, da
     step = run.step
     run.tally.restart()
     bar = Progress(t.max_steps, step, accelerator.is_main_process)
-    off_after = t.get("routing_off_after")  # announced in the log when reached
+    off_after = t.routing_off_after  # announced in the log when reached
     try:
         while step < t.max_steps:
             # Update weights and EMA.

@@ -125,7 +125,7 @@ def open_run_log(run, resumed_from) -> MetricsLogger:
     drop_redone_records(run.run_dir / "metrics.jsonl", run.step)
     logger = MetricsLogger(run.run_dir, cfg.train.logging.tensorboard, cfg.train.logging.wandb,
                            OmegaConf.to_container(cfg, resolve=True), cfg.run_name)
-    router, off_after = run.model.router, cfg.train.get("routing_off_after")
+    router, off_after = run.model.router, cfg.train.routing_off_after
     n_params = sum(p.numel() for p in run.model.parameters())
     routes = describe_routes(router.routes) if router.enable_routing else "off"
     if router.enable_routing and router.routes and off_after is not None:
