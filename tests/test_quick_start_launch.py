@@ -33,7 +33,6 @@ def launched(tmp_path_factory):
     for with_config in (True, False):
         home = tmp_path_factory.mktemp("hf_home")
         env = {**subprocess_env(), "HF_HOME": str(home), "CUDA_VISIBLE_DEVICES": ""}
-        env.pop("ACCELERATE_CONFIG_FILE", None)
         for step in config if with_config else []:
             subprocess.run([*ACCELERATE, *step[1:]], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
         proc = subprocess.run([*ACCELERATE, *launch[1:], BAD[0], f"results_dir={home / 'results'}"], env=env,
