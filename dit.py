@@ -335,7 +335,8 @@ def checked_arguments(params, where: str = "model.params") -> dict:
         if kind in (int, float):
             params[key] = kind(value)
         if rule is not None and not rule.ok(params[key]):
-            raise UserError(f"{name(key)} must be {rule.allowed}, got {value!r}")
+            raise UserError(f"{name(key)} must be {rule.allowed}, got {value!r}"
+                            f"{routing_module.IMPORTS_HINT if key == 'block_type' else ''}")
     kwargs = {**dit_defaults(), **params}
     if kwargs["input_size"] % kwargs["patch_size"]:
         raise UserError(f"input_size {kwargs['input_size']} is not divisible by patch size {kwargs['patch_size']}")

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from dit import get_model
 from conftest import REPO, assert_one_line_error, subprocess_env, tiny_overrides
 from train_runs import records
 from training.checkpoint import list_checkpoints
+from tread_utils.errors import UserError
 from tread_utils.user_imports import import_user_modules
 
 DOCS = REPO / "docs" / "extensions.md"
@@ -137,6 +139,13 @@ def test_training_refuses_a_module_it_cannot_import_and_a_name_no_module_registe
         proc = run(tmp_path, "train.py", f"results_dir={tmp_path / 'results'}", *tiny_overrides("tread"), override)
         assert_one_line_error(proc, *needles)
     assert not (tmp_path / "results").exists()  # refused before anything was written
+
+
+def test_a_block_type_no_module_registered_points_at_imports():
+    """Where a run's model is built (sample.py, the route probe, a Python caller): train.py's check refuses the name
+    first, by the schema's rule, without the hint."""
+    with pytest.raises(UserError, match=re.escape("got 'mine' (one registered in a module of yours: imports=[")):
+        get_model("DiT-D/4", {"num_classes": 10, "in_channels": 1, "input_size": 16, "block_type": "mine"})
 
 
 def test_an_imported_module_runs_once(tmp_path, monkeypatch):
