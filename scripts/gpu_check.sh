@@ -26,6 +26,8 @@
 #   train   60  compiled routed training on the digits, 200 steps, an evaluation at step 100: recompiles, graphs
 #   xl2bf16 200  as xl2, ours alone, with the block after the route in bf16 (model.params.fp32_after_route=false):
 #               the speed-up against the FLOP bound without the authors' float32 block
+#   study256 240 dit against tread on the digits at 256 tokens (patch 1), seeds 0-2, 3,000 steps, the six runs side
+#               by side, archived in study256.tar.gz (lab.token_study: its docstring sizes it)
 # OUT_DIR (default $OUT, else gpu_check_out) receives, as each row ends: ROW.json (the bench record, device name
 # inside), its log appended to logs.txt, and a line in summary.txt; the script's last line is the summary. At
 # most 8 files, the most one device command brings back.
@@ -34,8 +36,9 @@
 # code put github.com/CompVis/tread's dit.py and routing_module.py in .paper-code/ (git-ignored, carried;
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
-ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16)
-declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60 [xl2bf16]=200)
+ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256)
+declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60 [xl2bf16]=200
+                     [study256]=240)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2
@@ -78,6 +81,9 @@ if [ $DRY = 1 ]; then
          model.params.routes.0.start_layer_idx=1 model.params.routes.0.end_layer_idx=2
          train.general.batch_size=16 train.general.num_workers=0 train.eval.fid_num_samples=128
          train.eval.batch_size=64 train.eval.sampler.num_steps=2 train.max_steps=4 train.compile=false)
+  STUDY=(--seeds 0 --steps 2 -- train.general.batch_size=16 train.general.num_workers=0
+         train.eval.eval_interval=2 train.eval.fid_num_samples=128 train.eval.batch_size=64
+         train.eval.sampler.num_steps=2 train.cpu_threads=1)
 else
   B2=DiT-B/2 XL2=DiT-XL/2 BATCH=256 MICRO=128 STEPS=(--steps 5 --warmup 2)
   COMPILE=(--compile on)
@@ -86,6 +92,7 @@ else
   PYTEST_CUDA=()
   FLUX=(--flux-lora full --batch-sizes 1 2 --compile both --checkpoint-outside --profile --rounds 3 --steps 2)
   TRAIN=(train.max_steps=200 train.compile=true)
+  STUDY=(-- train.compile=true train.cpu_threads=2)
 fi
 PAPER=()
 [ -n "$PAPER_CODE" ] && [ -f "$PAPER_CODE/dit.py" ] && PAPER=(--paper-code "$PAPER_CODE" --paper-modes published)
@@ -139,6 +146,11 @@ train() {
     run_name=gpu_check train.mixed_precision=bf16 train.logging.tensorboard=false \
     train.eval.eval_interval=100 train.ckpt_every=100 train.logging.log_interval=50 "${TRAIN[@]}"
   cp "$RES/gpu_check/metrics.jsonl" "$OUT_DIR/train_metrics.jsonl" 2> /dev/null
+}
+
+study256() {
+  run_row study256 $PY -m lab.token_study --patch 1 --results "$RES/study256" --out "$OUT_DIR/study256.tar.gz" \
+    "${STUDY[@]}"
 }
 
 # ---- the machine, the wheels, then the rows ------------------------------------------------------------------

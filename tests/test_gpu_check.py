@@ -130,6 +130,26 @@ def test_cuda_tests_are_collected_and_training_logs_its_metrics(tmp_path):
     assert any("loss" in r for r in records) and any("fid" in r for r in records)
 
 
+def test_the_256_token_study_trains_dit_and_tread_at_patch_1_and_archives_them(tmp_path):
+    import tarfile
+
+    import yaml
+
+    proc, out = dry_run(tmp_path, "study256")
+    check_rows(proc, out, ["study256"])
+    with tarfile.open(out / "study256.tar.gz") as tar:
+        tar.extractall(tmp_path / "archive")
+    runs = sorted(p.name for p in (tmp_path / "archive" / "runs").iterdir())
+    assert runs == ["global_seed=0,model=dit", "global_seed=0,model=tread"]
+    for run in runs:
+        folder = tmp_path / "archive" / "runs" / run
+        config = yaml.safe_load((folder / "config.yaml").read_text())
+        assert config["model"]["params"]["patch_size"] == 1 and config["dataset"]["input_size"] == 16  # 256 tokens
+        assert config["results_dir"] == "results/study256"
+        assert any("fid" in json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines())
+        assert json.loads((folder / "status.json").read_text())["status"] == "completed"
+
+
 def test_a_row_that_no_longer_fits_the_budget_is_skipped_and_the_next_runs(tmp_path):
     proc, out = dry_run(tmp_path, "suite", "train", "--budget", "150")  # suite: 300 s estimated, train: 60
     assert proc.returncode == 0, proc.stderr
