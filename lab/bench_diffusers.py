@@ -1,6 +1,7 @@
 """Bench: the routed against the unrouted training step of mid-size random diffusers transformers (apply_tread),
-one per supported family (ARCHS), at 1,024 image tokens (video: 4 frames of 16 x 16; the default run: FLUX and SD3
-at 256, batch 4), with the FLOP bound from torch.utils.flop_counter.
+one per supported family (ARCHS: the model and inputs of each family's `Example`, tread_diffusers/families.py), at
+1,024 image tokens (video: 4 frames of 16 x 16; the default run: FLUX and SD3 at 256, batch 4), with the FLOP bound
+from torch.utils.flop_counter.
 
     python -m lab.bench_diffusers --out diffusers_cpu.json    # FLUX and SD3 at 256 tokens; a .md table beside it
 
@@ -32,181 +33,36 @@ from pathlib import Path
 import torch
 
 from lab.bench_flux_lora import flux_lora_rows
-from tools.diffusers_toy import pack, random_flux, random_sd3, routed_vs_unrouted
+from tools.diffusers_toy import routed_vs_unrouted
+from tread_diffusers.families import FAMILIES
+from tread_diffusers.tread import apply_tread  # noqa: F401  (importing registers every family)
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.precision import avoid_faulting_attention
 
-PACKED = ("flux", "flux2", "chroma", "qwen", "krea2")  # take packed latent tokens
-VIDEO = ("wan", "ltx", "hunyuan", "cosmos", "kandinsky", "ltx2", "minimax")
-CLASSIC = ("pixart", "auraflow")  # take latents [B, C, H, W], patch 2
-# each --archs name: the family it builds, as docs/diffusers.md and the README name it, and its diffusers class
-ARCHS = {"flux": ("FLUX", "FluxTransformer2DModel"), "flux2": ("FLUX.2", "Flux2Transformer2DModel"),
-         "chroma": ("Chroma", "ChromaTransformer2DModel"), "qwen": ("Qwen-Image", "QwenImageTransformer2DModel"),
-         "krea2": ("Krea2", "Krea2Transformer2DModel"), "sd3": ("SD3", "SD3Transformer2DModel"),
-         "pixart": ("PixArt", "PixArtTransformer2DModel"), "auraflow": ("AuraFlow", "AuraFlowTransformer2DModel"),
-         "zimage": ("Z-Image", "ZImageTransformer2DModel"), "lumina2": ("Lumina2", "Lumina2Transformer2DModel"),
-         "ernie": ("Ernie", "ErnieImageTransformer2DModel"), "wan": ("Wan", "WanTransformer3DModel"),
-         "ltx": ("LTX-Video", "LTXVideoTransformer3DModel"),
-         "hunyuan": ("HunyuanVideo", "HunyuanVideoTransformer3DModel"),
-         "cosmos": ("Cosmos", "CosmosTransformer3DModel"), "kandinsky": ("Kandinsky 5", "Kandinsky5Transformer3DModel"),
-         "ltx2": ("LTX-2", "LTX2VideoTransformer3DModel"), "minimax": ("MiniMax H3", "MiniMaxH3Transformer3DModel")}
+
+def _archs() -> dict:
+    """Each --archs name (its family's Example.arch): the family as docs/diffusers.md and the README name it, and its
+    diffusers class; the image families first, then the video ones, each in the order they are registered."""
+    examples = [(cls, family) for cls, family in FAMILIES.items() if family.example is not None]
+    examples.sort(key=lambda item: item[1].example.video)  # a stable sort: the registration order within each
+    return {family.example.arch: (family.name, cls) for cls, family in examples}
+
+
+ARCHS = _archs()
 QUANTIZERS = {"quanto": ("optimum.quanto", "optimum-quanto"), "torchao": ("torchao", "torchao")}  # module, package
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 
 
-def random_packed(arch: str, channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
-    """A random FLUX.2, Chroma or Qwen-Image transformer taking 2x2-packed latents (FLUX.2 and Chroma: a quarter
-    of the blocks dual-stream, the rest single-stream; Qwen-Image: all dual-stream), head_dim 64."""
-    import diffusers
-
-    torch.manual_seed(seed)
-    heads, dual = width // 64, depth // 4
-    common = dict(in_channels=channels * 4, attention_head_dim=64, num_attention_heads=heads,
-                  joint_attention_dim=text_dim)
-    if arch == "flux2":
-        return diffusers.Flux2Transformer2DModel(num_layers=dual, num_single_layers=depth - dual,
-                                                 axes_dims_rope=(16, 16, 16, 16), guidance_embeds=False, **common)
-    if arch == "krea2":  # every block single-stream on [text, image]
-        return diffusers.Krea2Transformer2DModel(in_channels=channels * 4, num_layers=depth, attention_head_dim=64,
-                                                 num_attention_heads=width // 64, num_key_value_heads=width // 64,
-                                                 intermediate_size=4 * width, text_hidden_dim=text_dim,
-                                                 num_text_layers=1, text_num_attention_heads=1,
-                                                 text_num_key_value_heads=1, text_intermediate_size=2 * text_dim,
-                                                 num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
-                                                 axes_dims_rope=(16, 24, 24))
-    if arch == "chroma":
-        return diffusers.ChromaTransformer2DModel(num_layers=dual, num_single_layers=depth - dual,
-                                                  axes_dims_rope=(16, 24, 24), approximator_hidden_dim=width,
-                                                  approximator_layers=2, **common)
-    return diffusers.QwenImageTransformer2DModel(patch_size=2, out_channels=channels, num_layers=depth,
-                                                 axes_dims_rope=(16, 24, 24), **common)
-
-
-def random_video(arch: str, channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
-    """A random Wan, LTX-Video or Cosmos (all blocks alike), LTX-2 (an audio stream of width 64 beside the video),
-    HunyuanVideo (a quarter dual-stream) or Kandinsky 5 (one text block before the video blocks) transformer,
-    head_dim 64."""
-    import diffusers
-
-    torch.manual_seed(seed)
-    if arch == "ltx2":
-        return diffusers.LTX2VideoTransformer3DModel(in_channels=channels, out_channels=channels,
-                                                     num_attention_heads=width // 64, attention_head_dim=64,
-                                                     cross_attention_dim=width, audio_in_channels=channels,
-                                                     audio_out_channels=channels, audio_num_attention_heads=1,
-                                                     audio_attention_head_dim=64, audio_cross_attention_dim=64,
-                                                     num_layers=depth, caption_channels=text_dim)
-    if arch == "kandinsky":
-        return diffusers.Kandinsky5Transformer3DModel(in_visual_dim=channels, in_text_dim=text_dim,
-                                                      in_text_dim2=text_dim, time_dim=width, out_visual_dim=channels,
-                                                      model_dim=width, ff_dim=4 * width, num_text_blocks=1,
-                                                      num_visual_blocks=depth, axes_dims=(16, 24, 24))
-    if arch == "cosmos":
-        return diffusers.CosmosTransformer3DModel(in_channels=channels, out_channels=channels,
-                                                  num_attention_heads=width // 64, attention_head_dim=64,
-                                                  num_layers=depth, text_embed_dim=text_dim, adaln_lora_dim=width,
-                                                  max_size=(16, 128, 128), concat_padding_mask=False)
-    if arch == "wan":
-        return diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=width // 64,
-                                               attention_head_dim=64, in_channels=channels, out_channels=channels,
-                                               text_dim=text_dim, ffn_dim=4 * width, num_layers=depth)
-    if arch == "hunyuan":
-        return diffusers.HunyuanVideoTransformer3DModel(
-            in_channels=channels, out_channels=channels, num_attention_heads=width // 64, attention_head_dim=64,
-            num_layers=depth // 4, num_single_layers=depth - depth // 4, num_refiner_layers=1, guidance_embeds=False,
-            text_embed_dim=text_dim, pooled_projection_dim=text_dim, rope_axes_dim=(16, 24, 24))
-    return diffusers.LTXVideoTransformer3DModel(in_channels=channels, out_channels=channels,
-                                                num_attention_heads=width // 64, attention_head_dim=64,
-                                                cross_attention_dim=width, num_layers=depth, caption_channels=text_dim)
-
-
-def random_classic(arch: str, channels: int, width: int, depth: int, text_dim: int, side: int, seed: int = 0):
-    """A random PixArt (cross-attention to text, every block alike) or AuraFlow (a quarter joint blocks, the rest
-    single-stream) transformer over a side x side latent, patch 2, head_dim 64, predicting `channels` channels."""
-    import diffusers
-
-    torch.manual_seed(seed)
-    common = dict(sample_size=side, patch_size=2, in_channels=channels, out_channels=channels,
-                  attention_head_dim=64, num_attention_heads=width // 64)
-    if arch == "pixart":
-        return diffusers.PixArtTransformer2DModel(num_layers=depth, cross_attention_dim=width,
-                                                  caption_channels=text_dim, norm_type="ada_norm_single",
-                                                  use_additional_conditions=False, **common)
-    return diffusers.AuraFlowTransformer2DModel(num_mmdit_layers=depth // 4, num_single_dit_layers=depth - depth // 4,
-                                                joint_attention_dim=text_dim, caption_projection_dim=width,
-                                                pos_embed_max_size=(side // 2) ** 2, **common)
-
-
-def random_zimage(channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
-    """A random Z-Image transformer (one noise and one context refiner before `depth` main layers), head_dim 64."""
-    import diffusers
-
-    torch.manual_seed(seed)
-    return diffusers.ZImageTransformer2DModel(in_channels=channels, dim=width, n_layers=depth, n_refiner_layers=1,
-                                              n_heads=width // 64, n_kv_heads=width // 64, cap_feat_dim=text_dim,
-                                              axes_dims=[16, 24, 24], axes_lens=[256, 64, 64])
-
-
-def random_lumina2(channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
-    """A random Lumina2 transformer (one noise and one context refiner before `depth` main layers), head_dim 64,
-    half as many key-value heads as query heads (grouped-query attention, as Lumina-Image 2.0)."""
-    import diffusers
-
-    torch.manual_seed(seed)
-    return diffusers.Lumina2Transformer2DModel(in_channels=channels, hidden_size=width, num_layers=depth,
-                                               num_refiner_layers=1, num_attention_heads=width // 64,
-                                               num_kv_heads=max(1, width // 128), axes_dim_rope=(16, 24, 24),
-                                               axes_lens=(256, 64, 64), cap_feat_dim=text_dim)
-
-
-def random_sequence(arch: str, channels: int, width: int, depth: int, text_dim: int, seed: int = 0):
-    """A random Ernie (patch 2) or MiniMax H3 (patch 1, one refiner block before `depth` blocks, audio rows of the
-    same width) transformer, head_dim 64; their zero-initialised modulation and output layers made random."""
-    import diffusers
-
-    torch.manual_seed(seed)
-    if arch == "ernie":
-        model = diffusers.ErnieImageTransformer2DModel(hidden_size=width, num_attention_heads=width // 64,
-                                                       num_layers=depth, ffn_hidden_size=4 * width,
-                                                       in_channels=channels, out_channels=channels, patch_size=2,
-                                                       text_in_dim=text_dim, rope_axes_dim=(16, 24, 24))
-        for p in (*model.adaLN_modulation.parameters(), *model.final_linear.parameters()):
-            torch.nn.init.normal_(p, std=0.02)
-        return model
-    return diffusers.MiniMaxH3Transformer3DModel(num_attention_heads=width // 64, attention_head_dim=64,
-                                                 hidden_size=width, num_layers=depth, num_refiner_layers=1,
-                                                 ffn_dim=4 * width, in_channels=channels, audio_in_channels=channels,
-                                                 patch_size=(1, 1, 1), text_dim=text_dim, time_embed_hidden_dim=width,
-                                                 time_embed_dim=width // 2, rope_freq_dim=8)
-
-
 def model_and_batch(arch: str, width: int, depth: int, tokens_side: int, batch: int, text_len: int = 16,
                     frames: int = 4):
-    """The random model and a function drawing a batch (latents, text tokens, pooled) for it."""
+    """The random model of the family (its Example, seed 0) and a function drawing a batch (latents, text tokens,
+    pooled) for it."""
     text_dim, channels = 64, 4
-    if arch in ("ernie", "minimax"):  # Ernie: image latents, patch 2; MiniMax H3: a few frames of video, patch 1
-        model = random_sequence(arch, channels, width, depth, text_dim)
-        side = tokens_side * (2 if arch == "ernie" else 1)
-        shape = (channels, side, side) if arch == "ernie" else (channels, frames, side, side)
-        make = lambda: torch.randn(batch, *shape)  # noqa: E731
-    elif arch in PACKED:
-        model = (random_flux(channels, width, width // 64, depth // 4, depth - depth // 4, text_dim) if arch == "flux"
-                 else random_packed(arch, channels, width, depth, text_dim))
-        side = tokens_side * 2  # latent pixels; 2x2 packing gives tokens_side^2 tokens
-        make = lambda: pack(torch.randn(batch, channels, side, side))  # noqa: E731
-    elif arch in VIDEO:  # a few frames of tokens_side^2 tokens each (LTX-Video: patch 1; the others 2 x 2)
-        model = random_video(arch, channels, width, depth, text_dim)
-        side = tokens_side * (1 if arch in ("ltx", "ltx2") else 2)
-        shape = (frames, side, side, channels) if arch == "kandinsky" else (channels, frames, side, side)
-        make = lambda: torch.randn(batch, *shape)  # noqa: E731
-    else:
-        side = tokens_side * 2  # patch 2
-        model = (random_zimage(channels, width, depth, text_dim) if arch == "zimage"
-                 else random_lumina2(channels, width, depth, text_dim) if arch == "lumina2"
-                 else random_classic(arch, channels, width, depth, text_dim, side) if arch in CLASSIC
-                 else random_sd3(channels, width, width // 64, depth, text_dim, side))
-        make = lambda: torch.randn(batch, channels, side, side)  # noqa: E731
-    return model, lambda: (make(), torch.randn(batch, text_len, text_dim), torch.randn(batch, text_dim))
+    example = FAMILIES[ARCHS[arch][1]].example
+    torch.manual_seed(0)
+    model = example.model(channels, width, depth, text_dim, tokens_side)
+    return model, lambda: (example.latents(batch, channels, tokens_side, frames),
+                           torch.randn(batch, text_len, text_dim), torch.randn(batch, text_dim))
 
 
 def quantized_lora(model, rank: int = 16, library: str = "quanto") -> None:
@@ -347,10 +203,9 @@ def main(argv=None):
         optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
         result = routed_vs_unrouted(model, ROUTES, batch, optimizer, rounds=args.rounds, steps=args.steps)
         base = dict(base=f"int8 ({args.quantizer}) + LoRA") if args.lora_int8 else {}
+        frames = args.frames if FAMILIES[ARCHS[arch][1]].example.video else 1
         rows.append(dict(arch=arch, **base, params_m=sum(q.numel() for q in model.parameters()) / 1e6,
-                         blocks=args.depth,
-                         tokens=args.tokens_side ** 2 * (args.frames if arch in VIDEO else 1), batch=args.batch_size,
-                         **result))
+                         blocks=args.depth, tokens=args.tokens_side ** 2 * frames, batch=args.batch_size, **result))
         print(f"{arch}: unrouted {result['unrouted_step_s'] * 1e3:.0f} ms, routed {result['routed_step_s'] * 1e3:.0f} ms, "
               f"speed-up {result['speedup']:.3f}x, FLOP bound {result['flop_bound']:.3f}x, "
               f"speed-up / bound {result['speedup_vs_bound']:.3f}", flush=True)

@@ -57,7 +57,7 @@ def _minimax():
     rows (no conditioning rows: SimpleTuner routes those, we pass them whole)."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from tools.diffusers_toy import minimax_inputs
+    from tread_diffusers.sequence_families import minimax_inputs
     model = MiniMaxH3Transformer3DModel(num_attention_heads=2, attention_head_dim=16, hidden_size=24, num_layers=4,
                                         num_refiner_layers=1, ffn_dim=32, in_channels=4, audio_in_channels=4,
                                         patch_size=(1, 1, 1), text_dim=16, freq_dim=16, time_embed_hidden_dim=16,

@@ -19,8 +19,10 @@ import test_diffusers_tread as shared  # noqa: E402
 import test_diffusers_versions as versions  # noqa: E402
 from diffusers_tiny import TINY, B, build, one_per_family  # noqa: E402
 from diffusers_tiny_entry import Tiny, per_sample  # noqa: E402
+from lab import bench_diffusers  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
-from tread_diffusers.families import FAMILIES, Family, family_of, latent_grid  # noqa: E402
+from tread_diffusers.families import FAMILIES, Example, Family, family_of, latent_grid  # noqa: E402
+from tread_diffusers.image_families import image_latents  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "diffusers.md"
@@ -33,10 +35,13 @@ def test_every_family_has_a_tiny_model_of_its_class():
         assert type(model).__name__ == TINY[name].family and family_of(model) is FAMILIES[TINY[name].family], name
 
 
-def test_the_docs_table_has_a_row_per_family():
-    """docs/diffusers.md's table of masks, attention masks and reference tokens names every family, by its name."""
-    section = DOCS.read_text().split("## Masks, attention masks, reference tokens and the kept count, per family")[1]
-    rows = re.findall(r"^\| ([^|]+?) \|", section.split("\n\n")[1], re.MULTILINE)[1:]  # after the header
+def test_the_docs_tables_have_a_row_per_family():
+    """docs/diffusers.md's routing rules name every class of FAMILIES, its table of masks every family's name."""
+    docs = DOCS.read_text()
+    rules = docs.split("## Routing rules per family\n\n")[1].split("\n\n")[1]  # the table after the lead
+    assert sorted(re.findall(r"^\| `(\w+)`", rules, re.MULTILINE)) == sorted(FAMILIES)
+    masks = docs.split("## Masks, attention masks, reference tokens and the kept count, per family\n\n")[1]
+    rows = re.findall(r"^\| ([^|]+?) \|", masks.split("\n\n")[0], re.MULTILINE)[1:]  # after the header
     assert sorted(rows) == sorted(family.name for family in FAMILIES.values())
 
 
@@ -133,6 +138,15 @@ def tiny_rope():
     return model, inputs, (4, 6)
 
 
+def rope_example_model(channels, width, depth, text_dim, tokens_side):
+    return TinyRopeTransformer2DModel(in_channels=channels, dim=width, heads=width // 32, num_layers=depth,
+                                      text_dim=text_dim)
+
+
+def rope_example_inputs(model, x_t, text, pooled, t):
+    return dict(hidden_states=x_t, encoder_hidden_states=text, timestep=t)
+
+
 def rope_by_hand(kw, keep, lead, tail):
     kw["rope"] = tuple(per_sample(keep, lambda b: table[keep[b]]) for table in kw["rope"])
 
@@ -146,6 +160,7 @@ def registered(monkeypatch):
     """The family and its tiny entry, registered for one test (the registries as they were after it)."""
     monkeypatch.setitem(FAMILIES, "TinyRopeTransformer2DModel", Family(
         ("blocks",), None, narrow=narrow_rope, grid=latent_grid("patch_size", 2), name="Tiny RoPE",
+        example=Example("tiny_rope", rope_example_model, image_latents, rope_example_inputs),
         relies_on={"forward": ("hidden_states", "encoder_hidden_states"), "blocks": ("hidden_states", "rope")}))
     monkeypatch.setitem(TINY, "tiny_rope", Tiny("TinyRopeTransformer2DModel", tiny_rope, rope_by_hand, rope_angles))
     return "tiny_rope"
@@ -171,3 +186,14 @@ def test_a_family_registered_from_a_test_file_routes_as_the_reference(registered
     shared.test_negative_indices_count_from_the_last_block(name)
     with pytest.MonkeyPatch.context() as patch:  # it undoes its own patches, not the registration
         versions.test_each_block_parameter_the_family_reads_is_checked(patch, name)
+
+
+def test_a_registered_family_with_an_example_is_benched(registered, monkeypatch):
+    """The bench's architectures are the registered families' examples: the new one is an --archs of its own."""
+    monkeypatch.setattr(bench_diffusers, "ARCHS", bench_diffusers._archs())
+    record = bench_diffusers.main(["--archs", "tiny_rope", "--width", "64", "--depth", "4", "--tokens-side", "4",
+                                   "--batch-size", "2", "--rounds", "1", "--steps", "1",
+                                   "--threads", str(torch.get_num_threads())])
+    row, = record["rows"]
+    assert (row["arch"], row["tokens"], row["blocks"]) == ("tiny_rope", 16, 4)
+    assert row["flops_routed"] < row["flops_unrouted"] and row["flop_bound"] > 1.0

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 pytest.importorskip("diffusers")
 from diffusers_tiny import B, blocks_of, build, reference_forward  # noqa: E402
 from tread_diffusers import apply_tread  # noqa: E402
-from tread_diffusers.families import check_reference_ids  # noqa: E402
+from tread_diffusers.flux_families import check_reference_ids  # noqa: E402
 from tread_utils.errors import UserError  # noqa: E402
 
 N, R = 24, 6  # the target's 4 x 6 tokens, the reference's 2 x 3

@@ -21,8 +21,9 @@ tables of tread_diffusers/families.py (whose docstring says what a Family holds)
 """
 import torch
 
-from tread_diffusers.families import FAMILIES, Family, SampleRope, latent_grid, gather_attention_mask
-from tread_diffusers.video_families import _token_rows
+from tread_diffusers.families import FAMILIES, Example, Family, SampleRope, gather_attention_mask, latent_grid
+from tread_diffusers.image_families import image_latents
+from tread_diffusers.video_families import _token_rows, video_latents
 from tread_utils.errors import UserError
 
 
@@ -112,15 +113,69 @@ def _minimax_narrow(kw: dict, keep: torch.Tensor) -> None:
                            else index[:lead + keep.shape[1]])  # eager: the rows were read by _minimax_lead
 
 
+def _ernie_inputs(model, x_t, text, pooled, t) -> dict:
+    """Latents [B, C, H, W], every text token real, t * 1000."""
+    return dict(hidden_states=x_t, timestep=t * 1000, text_bth=text,
+                text_lens=torch.full((len(t),), text.shape[1], device=x_t.device))
+
+
+def minimax_inputs(x_t: torch.Tensor, text: torch.Tensor, t: torch.Tensor, audio: int, audio_channels: int) -> dict:
+    """MiniMax H3's text-to-video-and-audio layout, [text | audio | video], of video latents [B, C, F, H, W] as rows
+    (patch 1) beside random audio rows. Its batch shares one layout, timesteps included: every row is at the
+    first sample's t (a bench times the step; the other samples' loss is not the flow-matching one)."""
+    frames, rows, columns = x_t.shape[2:]
+    n, text_len = frames * rows * columns, text.shape[1]
+    length = text_len + audio + n
+    grid = torch.stack(torch.meshgrid(*(torch.arange(g) for g in (frames, rows, columns)), indexing="ij"), -1)
+    sequence = torch.arange(text_len + audio)[:, None] * torch.tensor([1, 0, 0])
+    return dict(hidden_states=x_t.flatten(2).transpose(1, 2),
+                audio_hidden_states=torch.randn(len(t), audio, audio_channels, device=x_t.device),
+                encoder_hidden_states=text, timestep=t[:1], timestep_indices=torch.zeros(length, dtype=torch.long),
+                token_tags=torch.tensor([1] * text_len + [2] * audio + [0] * n),
+                position_ids=torch.cat([sequence, grid.reshape(n, 3)]),
+                video_indices=torch.arange(text_len + audio, length),
+                audio_indices=torch.arange(text_len, text_len + audio), text_indices=torch.arange(text_len))
+
+
+def _minimax_inputs(model, x_t, text, pooled, t) -> dict:
+    return minimax_inputs(x_t, text, t, audio=16, audio_channels=model.config.audio_in_channels)
+
+
+def _ernie_model(channels: int, width: int, depth: int, text_dim: int, side: int):
+    """Its zero-initialised modulation and output layers made random (zero, every step would give the same loss)."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    model = ErnieImageTransformer2DModel(hidden_size=width, num_attention_heads=width // 64, num_layers=depth,
+                                         ffn_hidden_size=4 * width, in_channels=channels, out_channels=channels,
+                                         patch_size=2, text_in_dim=text_dim, rope_axes_dim=(16, 24, 24))
+    for p in (*model.adaLN_modulation.parameters(), *model.final_linear.parameters()):
+        torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _minimax_model(channels: int, width: int, depth: int, text_dim: int, side: int):
+    """Patch 1, one refiner block before `depth` blocks, audio rows of the same width."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return MiniMaxH3Transformer3DModel(num_attention_heads=width // 64, attention_head_dim=64, hidden_size=width,
+                                       num_layers=depth, num_refiner_layers=1, ffn_dim=4 * width,
+                                       in_channels=channels, audio_in_channels=channels, patch_size=(1, 1, 1),
+                                       text_dim=text_dim, time_embed_hidden_dim=width, time_embed_dim=width // 2,
+                                       rope_freq_dim=8)
+
+
 SEQUENCE_FAMILIES = {
     "ErnieImageTransformer2DModel": Family(("layers",), None, _ernie_narrow, latent_grid("patch_size", 2),
                                            tail=_ernie_tail, tokens="x", sequence_first=True,
                                            name="Ernie",
+                                           example=Example("ernie", _ernie_model, image_latents, _ernie_inputs),
                                            relies_on={"forward": ("hidden_states", "text_bth", "text_lens"),
                                                       "layers": ("x", "rotary_pos_emb", "temb", "attention_mask")}),
     "MiniMaxH3Transformer3DModel": Family(("transformer_blocks",), None, _minimax_narrow, _minimax_grid,
                                           lead=_minimax_lead,
                                           name="MiniMax H3",
+                                          example=Example("minimax", _minimax_model, video_latents(1), _minimax_inputs,
+                                                          video=True),
                                           relies_on={"forward": ("hidden_states", "timestep_indices", "token_tags",
                                                                  "position_ids", "video_indices"),
                                                      "transformer_blocks": ("hidden_states", "adaln_indices",

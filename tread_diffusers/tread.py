@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 
 from routing_module import RouteError, end_route, resolve_routes, select_kept_tokens, start_route
-from tread_diffusers.families import (FAMILIES, Family, SampleLead, check_reference_ids, family_of, no_tail,
-                                      splice)
+from tread_diffusers.families import FAMILIES, Family, SampleLead, family_of, no_tail, splice
+from tread_diffusers.flux_families import check_reference_ids
 from tread_diffusers.image_families import IMAGE_FAMILIES  # noqa: F401  (importing registers them)
 from tread_diffusers.masks import MASK_RULES, mask_to_tokens, masked_loss, read_mask  # noqa: F401
 from tread_diffusers.sequence_families import SEQUENCE_FAMILIES  # noqa: F401  (importing registers them)
