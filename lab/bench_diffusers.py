@@ -40,7 +40,7 @@ from tread_utils.errors import UserError, report_user_errors
 from tread_utils.precision import avoid_faulting_attention
 
 
-def _archs() -> dict:
+def registered_archs() -> dict:
     """Each --archs name (its family's Example.arch): the family as docs/diffusers.md and the README name it, and its
     diffusers class; the image families first, then the video ones, each in the order they are registered."""
     examples = [(cls, family) for cls, family in FAMILIES.items() if family.example is not None]
@@ -48,7 +48,7 @@ def _archs() -> dict:
     return {family.example.arch: (family.name, cls) for cls, family in examples}
 
 
-ARCHS = _archs()
+ARCHS = registered_archs()
 QUANTIZERS = {"quanto": ("optimum.quanto", "optimum-quanto"), "torchao": ("torchao", "torchao")}  # module, package
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 

@@ -1,6 +1,7 @@
 """The family registry (tread_diffusers.families.FAMILIES) and the family checks' tiny models (tests/diffusers_tiny*.py):
-every family has a tiny model and a row in docs/diffusers.md, and a family registered from a test file alone (a
-transformer class defined here, its `Family` and its `Tiny` entry) is routed as the hand-built reference says."""
+every family has a tiny model and a row in each of docs/diffusers.md's family tables, and a family registered from a
+test file alone (a transformer class defined here, its `Family` and its `Tiny` entry) is routed as the hand-built
+reference says and benched."""
 import math
 import re
 from pathlib import Path
@@ -190,7 +191,7 @@ def test_a_family_registered_from_a_test_file_routes_as_the_reference(registered
 
 def test_a_registered_family_with_an_example_is_benched(registered, monkeypatch):
     """The bench's architectures are the registered families' examples: the new one is an --archs of its own."""
-    monkeypatch.setattr(bench_diffusers, "ARCHS", bench_diffusers._archs())
+    monkeypatch.setattr(bench_diffusers, "ARCHS", bench_diffusers.registered_archs())
     record = bench_diffusers.main(["--archs", "tiny_rope", "--width", "64", "--depth", "4", "--tokens-side", "4",
                                    "--batch-size", "2", "--rounds", "1", "--steps", "1",
                                    "--threads", str(torch.get_num_threads())])
