@@ -37,7 +37,8 @@
 #
 # JOBS > 1 launches each job of a stage's sweep as its own one-job multirun (the same run dir as in the
 # whole sweep), spread round-robin over JOBS workers, each with train.cpu_threads = nproc / JOBS (not part of
-# the run dir's name; a later override on the command line wins).
+# the run dir's name; a later override on the command line wins), and skips a job whose run ARCHIVE already
+# holds completed (a run of an earlier session, whose run folder is gone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -96,6 +97,18 @@ expand() {  # expand <override>...: one line per job of the Hydra sweep they mak
   done
   printf '%s\n' "${lines[@]}"
 }
+# The overrides a multirun job's directory name leaves out (configs/config.yaml, hydra's override_dirname).
+EXCLUDED=" $(sed -n '/exclude_keys: \[/,/\]/p' configs/config.yaml | tr -d '[]\n' | sed 's/exclude_keys://; s/,/ /g') "
+archived() {  # archived <part> <steps> <overrides...>: the archive holds the run these overrides make, completed at
+              # <steps> or later (runs of an earlier session: a study can be trained over several)
+  local part=$1 steps=$2 o kept=() dir last
+  shift 2
+  for o in "$@"; do [[ "$EXCLUDED" == *" ${o%%=*} "* ]] || kept+=("$o"); done
+  dir="$ARCHIVE/$part/$(printf '%s\n' "${kept[@]}" | LC_ALL=C sort | paste -sd, - | tr / _)"
+  grep -q '"completed"' "$dir/status.json" 2> /dev/null || return 1
+  last=$(grep -o '"step": [0-9]*' "$dir/metrics.jsonl" | tail -n 1 | grep -o '[0-9]*$')
+  (( ${last:-0} >= steps ))
+}
 sweep() {  # sweep <steps> <run_name> <group>...: each group a string of overrides making one Hydra sweep; JOBS=1
            # runs each group as one multirun, JOBS > 1 spreads the jobs of all groups over JOBS parallel workers
   local steps=$1 name=$2 w pids=() rc=0 jobs=() group line
@@ -114,6 +127,11 @@ sweep() {  # sweep <steps> <run_name> <group>...: each group a string of overrid
       failed=0
       for ((i = w; i < ${#jobs[@]}; i += JOBS)); do
         # shellcheck disable=SC2086  # a job line is split into its overrides on purpose
+        if archived "$name" "$steps" ${jobs[i]} "${EXTRA[@]}"; then
+          echo "archived in $ARCHIVE/$name, complete: ${jobs[i]}"
+          continue
+        fi
+        # shellcheck disable=SC2086
         train "$steps" "$name" ${jobs[i]} "${EXTRA[@]}" || failed=1
       done
       exit "$failed"

@@ -271,7 +271,8 @@ def test_parallel_workers_launch_the_same_runs_one_job_per_call(tmp_path):
     stages = "compare,placement,ratio,platform"
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=results, STAGES=stages)
     (tmp_path / "jobs2").mkdir()
-    split, proc2 = script_calls("scripts/toy_study.sh", tmp_path / "jobs2", RESULTS=results, JOBS="2", STAGES=stages)
+    split, proc2 = script_calls("scripts/toy_study.sh", tmp_path / "jobs2", RESULTS=results, JOBS="2", STAGES=stages,
+                                ARCHIVE=str(tmp_path / "no-archive"))  # the committed archive's runs would be skipped
     assert proc.returncode == 0 and proc2.returncode == 0, proc2.stderr
     assert len(split) == 33 and all(len(expand(c[2:])) == 1 for c in split)
     threads = max(1, (os.cpu_count() or 1) // 2)  # train.py would take every core in each of the two
@@ -280,6 +281,23 @@ def test_parallel_workers_launch_the_same_runs_one_job_per_call(tmp_path):
     (tmp_path / "bad").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "bad", JOBS="two")
     assert proc.returncode == 2 and "JOBS=two is not a positive integer" in proc.stderr and not calls
+
+
+def test_parallel_workers_skip_a_run_an_earlier_session_archived_complete(tmp_path):
+    """A study trained over several sessions: a run whose archive says it completed its steps is not trained again
+    (its folder under RESULTS is gone with its session); one archived short of the steps is."""
+    archive = tmp_path / "archive" / "compare"
+    for name, step in (("global_seed=0,model=dit", 3000), ("global_seed=1,model=dit", 2750)):
+        (archive / name).mkdir(parents=True)
+        (archive / name / "status.json").write_text('{"status": "completed", "time": 1}')
+        (archive / name / "metrics.jsonl").write_text(f'{{"step": {step}, "fid": 9.0}}\n')
+    (tmp_path / "fake").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "fake", STAGES="compare", JOBS="2",
+                               RESULTS=str(tmp_path / "res"), ARCHIVE=str(tmp_path / "archive"))
+    assert proc.returncode == 0, proc.stderr
+    jobs = [sorted(o for o in c if o.startswith(("model=", "global_seed="))) for c in calls]
+    assert len(calls) == 5 and ["global_seed=0", "model=dit"] not in jobs and ["global_seed=1", "model=dit"] in jobs
+    assert "complete: model=dit global_seed=0" in proc.stdout
 
 
 def test_toy_study_runs_only_the_chosen_stages(tmp_path):
