@@ -46,10 +46,7 @@ ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_i
 REGISTRIES = [(routing_module, "SELECTIONS"), (dit, "FUSIONS"), (dit, "BLOCK_TYPES"), (dit, "DiT_models"),
               (families, "FAMILIES")]
 # Blocks that fail as written, each with why, by their doc and a line of theirs; strict, so a fixed one is noticed.
-KNOWN_FAILURES = {
-    ("docs/extensions.md", 'FAMILIES["MyTransformer2DModel"]'):
-        "uses FAMILIES, Family, latent_grid and my_narrow without importing or defining them",
-}
+KNOWN_FAILURES = {}
 
 
 def examples() -> list:
