@@ -30,7 +30,6 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config_check import check_guidance_has_dropout, check_sample_config, hydra_error_line
 from training.config_schema import SampleSchema
 from tread_utils.errors import UserError, exit_with
-from tread_utils.user_imports import import_saved
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_NAME = "sample"
@@ -103,7 +102,6 @@ def run(cfg, seeds: list) -> None:
     accelerator = start_processes(cpu=not torch.cuda.is_available())
     set_precision_policy(bool(cfg.tf32))
     state = ckpt.read_checkpoint(path)
-    import_saved(state.get("config"), path)  # the user's modules the run was trained with, before its model
     net, run_cfg = ckpt.net_from_state(state, path, accelerator.device)
     if class_labels is not None and not 0 <= class_labels < net.num_classes:
         raise UserError(f"class_labels={class_labels} is not a class of this model (0..{net.num_classes - 1})")

@@ -25,6 +25,7 @@ from routing_module import saved_routes
 from training.exported import read_export
 from tread_utils.errors import UserError
 from tread_utils.hub import is_exported_folder
+from tread_utils.user_imports import import_saved
 from tread_utils.files import atomic_write, atomic_write_text
 
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
@@ -222,6 +223,7 @@ def net_from_state(state: dict, source="checkpoint", device="cpu"):
         raise UserError(f"checkpoint {source} holds no run config (model/diffuser); it was not written by train.py")
     if "ema" not in state:
         raise UserError(f"checkpoint {source} holds no EMA weights")
+    import_saved(cfg, source)  # the user's modules the run was trained with (imports), before its model
     try:
         model = get_model(cfg["model"]["backbone_type"], saved_params(cfg["model"]["params"]))
         diffuser = OmegaConf.create({"name": "edm", **cfg["diffuser"]})
