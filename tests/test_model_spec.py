@@ -80,9 +80,10 @@ import atexit, runpy, sys
 import routing_module
 calls = []
 resolve = routing_module.resolve_routes
-def counted(*args, **kwargs):
-    calls.append(args)
-    return resolve(*args, **kwargs)
+def counted(routes, *args, **kwargs):  # the config's entries made into routes: resolved routes pass unchanged
+    if any(not isinstance(r, routing_module.Route) for r in routes or []):
+        calls.append(routes)
+    return resolve(routes, *args, **kwargs)
 routing_module.resolve_routes = counted
 atexit.register(lambda: print(f"routes resolved {len(calls)} time(s)"))
 sys.argv = ["train.py", *sys.argv[1:]]
@@ -91,8 +92,8 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 def test_a_launch_resolves_its_routes_once(tmp_path):
-    """train.py checks the config, builds the model, its EMA and the FLOP report from one resolve of the routes:
-    the config check's model arguments build the model."""
+    """train.py turns the config's route entries into routes once, in its check: the model, its EMA and the FLOP
+    report take those (the resolver, idempotent, gives resolved routes back as they are)."""
     overrides = [*tiny_overrides("tread"), f"results_dir={tmp_path}", "train.max_steps=1", "train.ckpt_every=1",
                  "train.general.num_workers=0", "train.cpu_threads=1", "train.general.batch_size=4"]
     proc = subprocess.run([sys.executable, "-c", COUNTED_LAUNCH, *overrides], cwd=REPO, env=subprocess_env(),
@@ -100,3 +101,17 @@ def test_a_launch_resolves_its_routes_once(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "FLOPs per training step" in proc.stdout  # the report ran, on the model's resolved routes
     assert "routes resolved 1 time(s)" in proc.stdout
+
+
+def test_the_one_resolver_is_idempotent():
+    """Config entries become placed, checked routes; resolving those again gives them back equal, so code below the
+    launch may pass them on without knowing whether they were resolved."""
+    import dit
+    from routing_module import resolve_routes
+
+    entries = [{"start_layer_idx": 1, "end_layer_idx": -4, "selection_ratio": 0.5, "selection": "importance"},
+               {"start_layer_idx": -3, "end_layer_idx": -2, "selection_ratio": 0.25, "fusion": "sprint"}]
+    once = resolve_routes(entries, 12, dit.FUSIONS)
+    assert [(r.start_layer_idx, r.end_layer_idx) for r in once] == [(1, 8), (9, 10)]
+    assert once[0].options == {} and once[1].fusion_options == {}
+    assert resolve_routes(once, 12, dit.FUSIONS) == once

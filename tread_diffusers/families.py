@@ -156,8 +156,10 @@ def family_of(transformer) -> Family:
     for cls in type(transformer).__mro__:  # by class name: a family registered from outside diffusers works too
         if cls.__name__ in FAMILIES:
             return FAMILIES[cls.__name__]
-    raise UserError(f"apply_tread does not support {type(transformer).__name__}; supported diffusers "
-                    f"transformers: {', '.join(FAMILIES)}")
+    families = sorted({f.name for f in FAMILIES.values()})
+    raise UserError(f"apply_tread does not support {type(transformer).__name__}; it routes {len(FAMILIES)} diffusers "
+                    f"transformer classes ({', '.join(families[:6])}, ...; docs/diffusers.md lists them) and a class "
+                    f"you register in tread_diffusers.families.FAMILIES")
 
 
 def family_blocks(transformer) -> list:

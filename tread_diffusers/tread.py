@@ -290,9 +290,9 @@ class TreadHandle:
             self._live.pop(k, None)
             if ctx is None:
                 return None
-            keep, x_full = ctx
+            keep, x_shallow = ctx
             out = self._batch_first(self.family.image(output, kind))
-            image = end_route(_image_of(out, lead, tail, keep.shape[1]), x_full, keep)
+            image = end_route(_image_of(out, lead, tail, keep.shape[1]), x_shallow, keep)
             joined = _with_image(out, lead, tail, image, keep.shape[1])
             return self.family.with_image(output, kind, self._batch_first(joined))
         return hook
