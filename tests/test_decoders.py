@@ -82,7 +82,7 @@ def test_quantisation_truncates_like_the_authors_or_rounds():
 
 def test_missing_vae_weights_offline_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="not available"):
+    with pytest.raises(UserError, match="not in the Hugging Face cache"):
         decoder_for({"kind": "shards", "vae": "nobody/no-such-vae"})
     with pytest.raises(UserError, match="config.json"):
         SDVAEDecoder(str(tmp_path))
@@ -155,5 +155,5 @@ def test_sample_cli_decodes_imagenet_style_checkpoints_with_the_vae(tiny_vae, tm
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert run("vae=nobody/no-such-vae", f"out={tmp_path}/t.npz") == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and "not available" in err and "Traceback" not in err
+    assert err.count("error:") == 1 and "not in the Hugging Face cache" in err and "Traceback" not in err
     assert not (tmp_path / "t.npz").exists()
