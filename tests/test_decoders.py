@@ -82,7 +82,7 @@ def test_quantisation_truncates_like_the_authors_or_rounds():
 
 def test_missing_vae_weights_offline_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="not in the Hugging Face cache"):
+    with pytest.raises(UserError, match="not available from the Hugging Face cache"):
         decoder_for({"kind": "shards", "vae": "nobody/no-such-vae"})
     with pytest.raises(UserError, match="config.json"):
         SDVAEDecoder(str(tmp_path))
