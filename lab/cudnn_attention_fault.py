@@ -71,11 +71,15 @@ def stack() -> dict:
             "device": torch.cuda.get_device_name(), "guard_turns_cudnn_off": cudnn_attention_faults(*found)}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lab.cudnn_attention_fault", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the record (JSON) here too")
     p.add_argument("--case", type=int, help=argparse.SUPPRESS)  # one case, in the child process
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.case is not None:
         print(json.dumps(run_case(*CASES[args.case])))
         return 0

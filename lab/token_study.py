@@ -67,7 +67,7 @@ def final_scores(results: Path, names) -> dict:
     return scores
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lab.token_study", description=__doc__.split("\n\n")[0])
     p.add_argument("--patch", type=int, default=1, help="patch size: 1 (256 tokens), 2 (64), 4 (16, the preset's)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -75,7 +75,11 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, required=True, help="the runs' folder (results_dir)")
     p.add_argument("--out", type=Path, required=True, help="the archive, a .tar.gz")
     p.add_argument("overrides", nargs="*", help="more train.py overrides for every run (e.g. the dry run's sizes)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     names = run_names(("dit", "tread"), args.seeds)
     base = [sys.executable, str(REPO / "train.py"), f"results_dir={args.results}", "model.backbone_type=DiT-D/4",
             f"model.params.patch_size={args.patch}", f"train.max_steps={args.steps}", "train.eval.eval_interval=250",

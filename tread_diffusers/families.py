@@ -9,6 +9,7 @@ token grid of the image (for masks). Every family selects its kept tokens per sa
 Text tokens are never routed: the routed tensor is the image (or video) part of a block's `hidden_states`;
 text travels in `encoder_hidden_states`, or before the image in the single-stream blocks' `hidden_states`.
 """
+import difflib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Optional, Tuple
 
@@ -156,10 +157,11 @@ def family_of(transformer) -> Family:
     for cls in type(transformer).__mro__:  # by class name: a family registered from outside diffusers works too
         if cls.__name__ in FAMILIES:
             return FAMILIES[cls.__name__]
-    families = sorted({f.name for f in FAMILIES.values()})
-    raise UserError(f"apply_tread does not support {type(transformer).__name__}; it routes {len(FAMILIES)} diffusers "
-                    f"transformer classes ({', '.join(families[:6])}, ...; docs/diffusers.md lists them) and a class "
-                    f"you register in tread_diffusers.families.FAMILIES")
+    name = type(transformer).__name__
+    close = difflib.get_close_matches(name, FAMILIES, n=1, cutoff=0.5)
+    raise UserError(f"apply_tread does not support {name}" + (f" (the closest it routes: {close[0]})" if close else "")
+                    + f"; it routes {len(FAMILIES)} diffusers transformer classes (docs/diffusers.md lists them) and "
+                      f"a class you register in tread_diffusers.families.FAMILIES")
 
 
 def family_blocks(transformer) -> list:
