@@ -80,16 +80,10 @@ def check_rows(proc, out, expected):
 
 
 def test_training_rows_time_ours_and_the_paper_code_and_profile_ours(tmp_path):
-    proc, out = dry_run(tmp_path, "flux", "xl2", "xl2model", "b2", "xl2bf16",
-                        PAPER_CODE=str(write_paper_repo(tmp_path / "paper")))
-    check_rows(proc, out, ["flux", "xl2", "xl2model", "b2", "xl2bf16"])
+    proc, out = dry_run(tmp_path, "flux", "xl2", "b2", PAPER_CODE=str(write_paper_repo(tmp_path / "paper")))
+    check_rows(proc, out, ["flux", "xl2", "b2"])
     flux = json.loads((out / "flux.json").read_text())  # the FLUX.1-dev LoRA row: its host-cost proxy on a CPU
     assert [(r["blocks"], r["compiled"]) for r in flux["rows"]] == [(57, False)] and flux["rows"][0]["flop_bound"] > 1
-    model_scope = json.loads((out / "xl2model.json").read_text())["training"]
-    assert [(r["code"], r["compile_scope"], r["model"]) for r in model_scope] == [("ours", "model", "dit"),
-                                                                                  ("ours", "model", "tread")]
-    bf16 = json.loads((out / "xl2bf16.json").read_text())["training"]
-    assert [(r["code"], r["model"], r["fp32_after_route"]) for r in bf16] == [("ours", "dit", None), ("ours", "tread", False)]
     # xl2 times ours compiled block by block, as the paper code, each with its warm-up (compilation) time
     ours = {"xl2": [("ours", "blocks", "dit"), ("ours", "blocks", "tread")],
             "b2": [("ours", "model", "dit"), ("ours", "model", "tread")]}
@@ -109,6 +103,27 @@ def test_training_rows_time_ours_and_the_paper_code_and_profile_ours(tmp_path):
         assert profile["ms_by_category"]["matmul"] > 0 and profile["top"]
         assert profile["host_syncs"] is None and profile["fp32_kernel_ms"] is None  # GPU-only readings
         assert not (out / f"{name}.md").exists()  # the tables are in the log
+
+
+def test_the_model_scope_and_bf16_rows_are_xl2_with_one_bench_option_each(tmp_path):
+    """xl2model and xl2bf16 run what xl2 runs (its dry run above; b2's rows compile the whole model), each with one
+    bench option more, which the bench's own tests run (tests/test_bench_gpu_readiness.py): read here from the
+    commands the script gives a stand-in interpreter, parsed by the bench's parser."""
+    from lab.bench import build_parser
+
+    log, fake = tmp_path / "calls", tmp_path / "fake-python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" --- >> {log}\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "xl2", "xl2model", "xl2bf16", str(tmp_path / "o")],
+                          cwd=REPO, env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()]
+    bench = {c[c.index("--out") + 1].rsplit("/", 1)[-1]: vars(build_parser().parse_args(c[2:]))
+             for c in calls if c[:2] == ["-m", "lab.bench"]}
+    xl2, model, bf16 = bench["xl2.json"], bench["xl2model.json"], bench["xl2bf16.json"]
+    differs = lambda a, b: {k for k in a if a[k] != b[k] and k not in ("out", "paper_code", "paper_modes", "profile")}
+    assert (xl2["compile_scope"], model["compile_scope"]) == ("blocks", "model") and differs(xl2, model) == {"compile_scope"}
+    assert bf16["fp32_after_route"] == "off" and differs(xl2, bf16) == {"fp32_after_route", "compile_scope"}
 
 
 def test_evaluation_rows_time_fid_stage_by_stage_and_the_suite(tmp_path):
