@@ -84,7 +84,8 @@ def rule_run(tmp_path_factory):
     (user / "my_rules.py").write_text(module)
     assert train[:2] == ["python", "train.py"]
     ok(run(user, "train.py", *command(train[2:], *tiny_overrides("tread"), *TINY_EVAL)))
-    return user, user / "results" / "tread-digits"
+    name, = [a.split("=", 1)[1] for a in train if a.startswith("run_name=")]  # its own: not the quick start's run
+    return user, user / "results" / name
 
 
 def test_a_selection_rule_of_the_users_file_trains_evaluates_and_samples(rule_run):
