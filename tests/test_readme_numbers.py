@@ -275,7 +275,7 @@ def diffusers_bench_rows() -> dict:
 
 
 def test_diffusers_table_is_the_benchmark_json():
-    """The README's diffusers table: a row per family apply_tread supports, each from its committed bench record."""
+    """docs/diffusers.md's bench table: a row per family apply_tread supports, each from its committed bench record."""
     from lab.bench_diffusers import ARCHS
     from tread_diffusers.families import FAMILIES
     from tread_diffusers.tread import apply_tread  # noqa: F401  (importing registers every family)
@@ -292,7 +292,7 @@ def test_diffusers_table_is_the_benchmark_json():
                                           flop_bound=float(m[6]), speedup_vs_bound=float(m[7]))
     losses = [float(v) for v in re.findall(r"eval loss \(unrouted, held-out\) ([\d.]+)", log)]
     assert len(losses) >= 2 and losses[-1] < losses[0] / 2, losses  # the example learns
-    rows = table(README, "| family | image tokens | unrouted step (ms) |")
+    rows = table(DIFFUSERS, "| family | image tokens | unrouted step (ms) |")
     assert [row["family"] for row in rows] == list(runs)
     for row in rows:
         run = runs[row["family"]]
@@ -302,7 +302,7 @@ def test_diffusers_table_is_the_benchmark_json():
         assert_close(row["speed-up"], run["speedup"], f"{run['arch']} speed-up")
         assert_close(row["FLOP bound"], run["flop_bound"], f"{run['arch']} FLOP bound")
         assert_close(row["speed-up / bound"], run["speedup_vs_bound"], f"{run['arch']} speed-up / bound")
-    commands = re.sub(r"\\\n\s*", "", README)  # continued lines joined
+    commands = re.sub(r"\\\n\s*", "", DIFFUSERS)  # continued lines joined
     for command in ("--archs flux flux2 chroma qwen krea2 sd3 pixart auraflow zimage lumina2 ernie --tokens-side 32",
                     "--archs wan ltx hunyuan cosmos kandinsky ltx2 minimax --tokens-side 16 --frames 4"):
         assert f"python -m lab.bench_diffusers {command}" in commands
