@@ -45,8 +45,6 @@ DIGITS_EXPORT = "exported/tread-digits"
 ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
 REGISTRIES = [(routing_module, "SELECTIONS"), (dit, "FUSIONS"), (dit, "BLOCK_TYPES"), (dit, "DiT_models"),
               (families, "FAMILIES")]
-# Blocks that fail as written, each with why, by their doc and a line of theirs; strict, so a fixed one is noticed.
-KNOWN_FAILURES = {}
 
 
 def examples() -> list:
@@ -120,14 +118,7 @@ def test_every_python_block_is_found():
         assert len(PYTHON_FENCE.findall(doc.read_text())) == counts.get(name, 0), name
 
 
-def marks(doc: str, code: str) -> list:
-    return [pytest.mark.xfail(strict=True, reason=why)
-            for (known_doc, line), why in KNOWN_FAILURES.items() if doc == known_doc and line in code]
-
-
-@pytest.mark.parametrize("doc, line, code", [pytest.param(*example, marks=marks(example[0], example[2]))
-                                             for example in EXAMPLES],
-                         ids=[f"{doc}:{line}" for doc, line, _ in EXAMPLES])
+@pytest.mark.parametrize("doc, line, code", EXAMPLES, ids=[f"{doc}:{line}" for doc, line, _ in EXAMPLES])
 def test_example_runs_as_written(doc, line, code, tmp_path, monkeypatch):
     missing = sorted(free_names(code) - {"transformer", "inputs", "routes"})
     assert not missing, f"{doc}:{line} uses {', '.join(missing)}, neither defined in the block nor a ready name"
