@@ -48,9 +48,6 @@ def load_network(name: str, weights=None, device="auto", random_init: bool = Fal
 
 def image_features(source, extractor, batch_size: int, num_images: int | None, progress: bool) -> dict:
     images = open_images(source, min_count=num_images)
-    n = len(images) if num_images is None else num_images
-    if n < 2:
-        raise UserError(f"{source} holds {n} image(s); statistics need at least 2")
     return compute_features(extractor, images, batch_size, limit=num_images, progress=progress,
                             desc="images", keys=("pool", "spatial"))
 
@@ -59,10 +56,8 @@ def write_reference(out, feats: dict, tag: str, image_size, save_features: bool 
     """Write an ADM reference file (mu, sigma, mu_s, sigma_s [+ pool_features]) atomically, with the feature
     network and the images' [H, W]."""
     out = Path(out)
-    if out.suffix != ".npz":
-        raise UserError(f"--out {out} must end in .npz")
-    if out.exists() and out.is_dir():
-        raise UserError(f"--out {out} is a folder")
+    if out.suffix != ".npz" or out.is_dir():
+        raise UserError(f"--out {out} must be an .npz file" + (", not a folder" if out.is_dir() else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
     mu, sigma = feature_statistics(feats["pool"])
     arrays = {"mu": mu, "sigma": sigma, TAG_KEY: np.array(tag), SIZE_KEY: np.array(image_size[:2])}
@@ -132,7 +127,8 @@ def main(argv=None):
     if args.num_images is not None and args.num_images < 2:
         raise UserError(f"--num-images must be >= 2, got {args.num_images}")
     tag = network_tag(args.network, args.random_init)
-    shape = open_images(args.images, min_count=args.num_images).shape  # validate before building a network
+    # validated before a network is built; a covariance needs 2 images
+    shape = open_images(args.images, min_count=args.num_images or 2).shape
     if args.command == "ref":
         refuse_overwriting_images(Path(args.out), Path(args.images))
     if args.command == "calc":

@@ -56,11 +56,15 @@ def center_crop_arr(image: Image.Image, size: int) -> np.ndarray:
     return arr[top:top + size, left:left + size]
 
 
+def check_source(source):
+    if not os.path.exists(source):
+        raise UserError(f"source {source} does not exist; pass an ImageNet-style folder or a `path label` list file")
+
+
 def list_items(source):
     """([(path, label)], class names or None, root used for the relative paths in the manifest)."""
     source = os.path.abspath(os.fspath(source))
-    if not os.path.exists(source):
-        raise UserError(f"source {source} does not exist; pass an ImageNet-style folder or a `path label` list file")
+    check_source(source)
     if os.path.isfile(source):
         root, items = os.path.dirname(source), []
         with open(source, encoding="utf-8") as f:
@@ -117,16 +121,12 @@ def make_plan(source, *, resolution, vae_id, latent_channels, factor, shard_size
     if resolution <= 0 or resolution % factor:
         raise UserError(f"--resolution {resolution} must be a positive multiple of the VAE's factor {factor}")
     items, classes, root = list_items(source)
-    if max_images is not None and max_images < len(items):
-        if max_images <= 0:
-            raise UserError(f"--max-images must be positive, got {max_images}")
+    if max_images is not None and max_images < len(items):  # max_images and shard_size: positive (the parser's)
         keep = np.sort(np.random.RandomState(0).permutation(len(items))[:max_images])  # spread over classes
         items = [items[i] for i in keep]
     h = resolution // factor
     shape = [2, 2 * latent_channels, h, h]
     shard_size = shard_size or default_shard_size(shape, resolution * resolution * 3 if images else 0)
-    if shard_size <= 0:
-        raise UserError(f"--shard-size must be positive, got {shard_size}")
     digest = hashlib.sha1("".join(f"{os.path.relpath(p, root)}\t{y}\n" for p, y in items).encode()).hexdigest()
     plan = {"source": root, "num_items": len(items), "items_sha1": digest, "resolution": resolution,
             "vae": vae_id, "latent_shape": shape, "shard_size": shard_size,
@@ -233,8 +233,7 @@ def parse_args(argv):
 def _extract_main(args):
     # ranks may finish far apart (a resumed run leaves some ranks little to do): a barrier timeout of a day
     state = start_processes(24 * 60, cpu=args.cpu)
-    if not os.path.exists(args.source):
-        raise UserError(f"source {args.source} does not exist; pass an ImageNet-style folder or a `path label` list file")
+    check_source(args.source)
     check_writable(os.path.abspath(args.out))  # cheap checks before the (possibly slow) VAE load
     vae = load_sd_vae(args.vae, device=state.device, option="--vae DIR")
     vae_id = os.path.abspath(args.vae) if os.path.isdir(args.vae) else args.vae

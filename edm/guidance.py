@@ -20,6 +20,7 @@ Evaluation counters (every wrapper, reset with ``reset_counters()``):
   Counters count calls to the *directly wrapped* net: for nested wrappers the true backbone cost is the
   product of the costs, or read it from an `NFECounter` wrapped around the backbone.
 """
+import abc
 import math
 from typing import Optional, Sequence
 
@@ -28,7 +29,7 @@ import torch
 __all__ = ["ClassifierFreeGuidance", "RoutingGuidance", "PathDropGuidance", "NFECounter", "null_labels"]
 
 
-class NetWrapper:
+class NetWrapper(abc.ABC):
     """Delegates the sampler `net` contract to `self.net` and keeps evaluation counters."""
 
     def __init__(self, net):
@@ -60,8 +61,9 @@ class NetWrapper:
     def __call__(self, x, sigma, class_labels=None, **kwargs):
         return self.forward(x, sigma, class_labels, **kwargs)
 
+    @abc.abstractmethod
     def forward(self, x, sigma, class_labels=None, **kwargs):
-        raise NotImplementedError
+        """The guided denoiser output for x at noise level sigma."""
 
     # -- counters
     def reset_counters(self):

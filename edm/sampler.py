@@ -247,14 +247,11 @@ def ablation_sampler(net, latents: torch.Tensor, class_labels=None, *, num_steps
     NFE = 2N - 1 (heun) or N (euler). Noise levels are host floats and the state is float64; the net sees
     float32 x, sigma as a Python float, and `net_kwargs` on every call.
     """
-    if solver not in ("euler", "heun"):
-        raise ValueError(f"solver must be 'euler' or 'heun', got {solver!r}")
-    if discretization not in ("vp", "ve", "iddpm", "edm"):
-        raise ValueError(f"discretization must be one of vp, ve, iddpm, edm, got {discretization!r}")
-    if schedule not in ("vp", "ve", "linear"):
-        raise ValueError(f"schedule must be one of vp, ve, linear, got {schedule!r}")
-    if scaling not in ("vp", "none"):
-        raise ValueError(f"scaling must be 'vp' or 'none', got {scaling!r}")
+    for setting, value, choices in (("solver", solver, ("euler", "heun")), ("scaling", scaling, ("vp", "none")),
+                                    ("discretization", discretization, ("vp", "ve", "iddpm", "edm")),
+                                    ("schedule", schedule, ("vp", "ve", "linear"))):
+        if value not in choices:
+            raise ValueError(f"{setting} must be one of {', '.join(choices)}, got {value!r}")
     num_steps = _check_num_steps(num_steps)
 
     # Noise range: per-discretization defaults, then clamped to what the network supports.

@@ -63,10 +63,9 @@ TF_GRAPH_ENV = "TREAD_INCEPTION_GRAPH"
 # Reference / sample inspection (cheap: validates before any network is built)
 # --------------------------------------------------------------------------------------------
 def _check_stat_array(path, name, arr, dims):
-    if arr.dtype.kind not in "fiu":
-        raise UserError(f"{path} '{name}' has dtype {arr.dtype}, expected a float array")
-    if not np.isfinite(arr).all():
-        raise UserError(f"{path} '{name}' contains NaN or inf values")
+    if arr.dtype.kind not in "fiu" or not np.isfinite(arr).all():
+        raise UserError(f"{path} '{name}' " + (f"has dtype {arr.dtype}, expected a float array"
+                                               if arr.dtype.kind not in "fiu" else "contains NaN or inf values"))
     if dims is not None:
         want = (dims,) if name.startswith("mu") else (dims, dims)
         if arr.shape != want:
@@ -104,12 +103,11 @@ def inspect_reference(path, feature_dims: dict | None = None) -> dict:
             if (pool_features.ndim != 2 or pool_features.dtype.kind != "f" or len(pool_features) < K_NEIGHBOURS + 1
                     or not np.isfinite(pool_features).all()):
                 raise UserError(f"{path} 'pool_features' must be a finite float array [N, D] with N >= {K_NEIGHBOURS + 1}")
-    images = npz_images(path, what="reference images") if "arr_0" in keys else None
+    # precision/recall's k-th neighbour needs k + 1 images
+    images = npz_images(path, min_count=K_NEIGHBOURS + 1, what="reference images") if "arr_0" in keys else None
     if images is None and "mu" not in stats:
         raise UserError(f"{path} holds neither statistics ('mu', 'sigma') nor images ('arr_0'); "
                         f"make a reference with `python fid.py ref --images DIR_OR_NPZ --out REF.npz`")
-    if images is not None and len(images) < K_NEIGHBOURS + 1:
-        raise UserError(f"{path} holds {len(images)} reference images; precision/recall need at least {K_NEIGHBOURS + 1}")
     return {"stats": stats, "images": images, "pool_features": pool_features}
 
 

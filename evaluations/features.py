@@ -41,10 +41,8 @@ def _npy_header(f):
 def open_npz(path) -> np.lib.npyio.NpzFile:
     """np.load of an .npz with one-line UserErrors for a missing file, a .npy or a non-npz file."""
     p = Path(path)
-    if p.is_dir():
-        raise UserError(f"{p} is a folder; expected an .npz file")
     if not p.is_file():
-        raise UserError(f"{p}: no such file")
+        raise UserError(f"{p} is a folder; expected an .npz file" if p.is_dir() else f"{p}: no such file")
     if not zipfile.is_zipfile(p):
         raise UserError(f"{p} is not an .npz file (expected an ADM batch: np.savez(path, arr_0=uint8 [N,H,W,3]))")
     try:
@@ -127,7 +125,7 @@ def npz_images(path, key: str = "arr_0", min_count: int | None = None, what: str
 
     check_images(reader.shape, reader.dtype, name, finite)
     if min_count is not None and len(reader) < min_count:
-        raise UserError(f"{name} holds {len(reader)} {what}, fewer than the {min_count} asked for")
+        raise UserError(f"{name} holds {len(reader)} {what}, fewer than the {min_count} needed")
     return reader
 
 
@@ -152,15 +150,15 @@ def load_image_folder(folder) -> np.ndarray:
 
 
 def open_images(source, min_count: int | None = None):
-    """A folder of images (-> uint8 array) or an .npz with ``arr_0`` (-> lazy NpzImages)."""
+    """A folder of images (-> uint8 array) or an .npz with ``arr_0`` (-> lazy NpzImages); ``min_count`` at least."""
     p = Path(source)
-    if p.is_dir():
-        images = load_image_folder(p)
-        if min_count is not None and len(images) < min_count:
-            raise UserError(f"{p} holds {len(images)} images, fewer than the {min_count} asked for")
-        return images
-    open_npz(p).close()  # file / format checks with clear messages
-    return npz_images(p, min_count=min_count)
+    if not p.is_dir():
+        open_npz(p).close()  # file / format checks with clear messages
+        return npz_images(p, min_count=min_count)
+    images = load_image_folder(p)
+    if min_count is not None and len(images) < min_count:
+        raise UserError(f"{p} holds {len(images)} images, fewer than the {min_count} needed")
+    return images
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,6 +244,4 @@ def feature_pass(extractor, images, batch_size: int = 64, limit: int | None = No
                 bar.update(len(batch))
     if bar is not None:
         bar.close()
-    if done != total:  # pragma: no cover - the readers above always deliver `total` rows
-        raise RuntimeError(f"expected {total} images, got {done}")
     return out, running

@@ -126,12 +126,9 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = SQRTM_EPS) -> float:
     """|mu1 - mu2|^2 + tr(sigma1) + tr(sigma2) - 2 tr(sqrtm(sigma1 sigma2)), ADM rules."""
     mu1, mu2 = np.atleast_1d(_as_numpy64(mu1)), np.atleast_1d(_as_numpy64(mu2))
     sigma1, sigma2 = np.atleast_2d(_as_numpy64(sigma1)), np.atleast_2d(_as_numpy64(sigma2))
-    if mu1.shape != mu2.shape:
-        raise ValueError(f"mean vectors have different shapes: {mu1.shape} vs {mu2.shape}")
-    if sigma1.shape != sigma2.shape:
-        raise ValueError(f"covariances have different shapes: {sigma1.shape} vs {sigma2.shape}")
-    if sigma1.shape != (mu1.shape[0], mu1.shape[0]):
-        raise ValueError(f"covariance shape {sigma1.shape} does not match mean shape {mu1.shape}")
+    if not mu1.shape == mu2.shape == sigma1.shape[:1] or not sigma1.shape == sigma2.shape == mu1.shape * 2:
+        raise ValueError(f"FID needs two means [D] and two covariances [D, D] of one D, got means {mu1.shape}, "
+                         f"{mu2.shape} and covariances {sigma1.shape}, {sigma2.shape}")
     diff = mu1 - mu2
     covmean = _sqrtm(sigma1.dot(sigma2))
     if not np.isfinite(covmean).all():
@@ -313,11 +310,9 @@ def precision_recall(ref_features, sample_features, k: int = 3, row_batch_size: 
                      col_batch_size: int | None = None, device=None):
     """(precision, recall): precision = share of samples inside the reference manifold, recall =
     share of reference points inside the sample manifold (ADM's ManifoldEstimator, k = 3)."""
-    for name, f in (("reference", ref_features), ("sample", sample_features)):
-        if len(getattr(f, "shape", ())) != 2:
-            raise ValueError(f"{name} features must be 2-D [N, D], got shape {getattr(f, 'shape', None)}")
-    if ref_features.shape[1] != sample_features.shape[1]:
-        raise ValueError(f"feature sizes differ: reference {ref_features.shape[1]}, samples {sample_features.shape[1]}")
+    shapes = [tuple(getattr(f, "shape", ())) for f in (ref_features, sample_features)]
+    if len(shapes[0]) != 2 or len(shapes[1]) != 2 or shapes[0][1] != shapes[1][1]:
+        raise ValueError(f"precision/recall needs reference and sample features [N, D] of one D, got {shapes}")
     device = _pick_device(device, ref_features, sample_features)
     row_batch_size, col_batch_size = _block_sizes(device, row_batch_size, col_batch_size)
     radii_ref = manifold_radii(ref_features, k, row_batch_size, col_batch_size, device)

@@ -82,6 +82,17 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
     interval = get("guidance_interval")  # checked at the entry point (training.config_check)
     routing = get("routing_guidance") or {}
     _refuse_unknown(routing, ROUTING_GUIDANCE_KEYS, "routing_guidance key")
+    path_drop = get("path_drop_guidance") or {}
+    _refuse_unknown(path_drop, PATH_DROP_GUIDANCE_KEYS, "path_drop_guidance key")
+    _, backbone = _backbone(net)
+    abilities = {"routing": ("a model with TREAD routes (model.params.routes)",
+                             bool(getattr(getattr(backbone, "router", None), "routes", ()))),
+                 "path-drop": ("a route whose fusion can drop its deep path (e.g. fusion=sprint)",
+                               bool(getattr(backbone, "droppable", ())))}
+    for (kind, (need, able)), given in zip(abilities.items(), (routing, path_drop)):
+        if given.get("scale") is not None and not able:
+            raise UserError(f"{kind} guidance needs {need}; this model has none: set "
+                            f"{kind.replace('-', '_')}_guidance.scale=null")
     routing_scale = routing.get("scale")
     if interval is not None:
         lo, hi = (float(v) for v in interval)
@@ -91,20 +102,9 @@ def build_guided_net(net, options: Optional[Mapping] = None, *, class_drop_prob:
         assert class_drop_prob is None or class_drop_prob > 0, "guidance without class dropout: refused at the entry point"
         net = ClassifierFreeGuidance(net, cfg_scale, num_classes=net.num_classes, interval=interval)
     if routing_scale is not None:
-        _, backbone = _backbone(net)
-        router = getattr(backbone, "router", None)
-        if router is None or not router.routes:
-            raise UserError("routing guidance needs a model with TREAD routes (model.params.routes); this "
-                            "checkpoint has none - set routing_guidance.scale=null")
         net = RoutingGuidance(net, weak_ratio=float(routing.get("weak_ratio", 0.7)),
                               strong_ratio=float(routing.get("strong_ratio", 0.3)), scale=float(routing_scale))
-    path_drop = get("path_drop_guidance") or {}
-    _refuse_unknown(path_drop, PATH_DROP_GUIDANCE_KEYS, "path_drop_guidance key")
     if path_drop.get("scale") is not None:
-        _, backbone = _backbone(net)
-        if not getattr(backbone, "droppable", ()):
-            raise UserError("path-drop guidance needs a route whose fusion can drop its deep path (e.g. fusion="
-                            "sprint); this model has none: set path_drop_guidance.scale=null")
         net = PathDropGuidance(net, float(path_drop["scale"]), interval=interval)
     return net
 

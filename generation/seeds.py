@@ -9,16 +9,9 @@ def parse_seeds(spec) -> list:
 
     Ranges are inclusive. Seeds are non-negative integers, each at most once.
     """
-    if isinstance(spec, bool):
-        raise UserError(f"seeds: expected e.g. 0-49999 or 0,5,7, got {spec!r}")
     parts = [spec] if isinstance(spec, (str, int)) else list(spec)
     seeds = []
-    for part in parts:
-        if isinstance(part, int) and not isinstance(part, bool):
-            if part < 0:
-                raise UserError(f"seeds: {part} is negative; seeds are integers >= 0")
-            seeds.append(part)
-            continue
+    for part in parts:  # an int is read as its digits (so True, -5 and 1.5 are refused as unreadable)
         for item in str(part).replace(" ", "").split(","):
             lo, sep, hi = item.partition("-")
             if not lo.isdigit() or (sep and not hi.isdigit()):

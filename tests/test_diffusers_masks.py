@@ -66,7 +66,7 @@ def test_token_masks_are_taken_as_they_are():
     (torch.full((1, 4, 4), 255.0), r"values in \[255, 255\]"),
     (np.full((1, 4, 4), 128, dtype=np.uint8), r"a 0-255 image divided by 255"),
     (torch.rand(1, 4, 4) * 0.5 + 0.3, "reads as neither"),
-    (np.array([["a"]]), "numpy dtype"),
+    (np.array([["a"]]), "ndarray of dtype <U1"),
 ])
 def test_unreadable_masks_are_refused_in_one_line(mask, match):
     with pytest.raises(UserError, match=match) as err:

@@ -108,8 +108,7 @@ def load_checkpoint(path, header_only: bool = False, advice: str = RESUME_ADVICE
     path = Path(path)
     if is_exported_folder(path):
         return read_export(path, header_only)
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist")
+    path = resolve_checkpoint(path)  # a missing path refused in one line
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=header_only)
     except Exception as e:  # truncated zip, not a torch file, disallowed pickle content...

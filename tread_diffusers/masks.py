@@ -26,14 +26,13 @@ FORMS = ("a [B, N] token mask (bool or 0/1), or a mask image [B, H, W] / [B, 1 o
 
 def read_mask(mask) -> torch.Tensor:
     """A mask in one of the accepted forms as a bool token mask [B, N] or a float image in [0, 1]."""
-    if isinstance(mask, np.ndarray):
-        if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.number):
-            raise UserError(f"the TREAD mask has numpy dtype {mask.dtype}; give {FORMS}")
+    if isinstance(mask, np.ndarray) and (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.number)):
         mask = torch.from_numpy(np.ascontiguousarray(mask))
-    if not isinstance(mask, torch.Tensor) or mask.is_complex():
-        raise UserError(f"the TREAD mask is a {type(mask).__name__}; give {FORMS}")
-    if mask.ndim < 2:
-        raise UserError(f"the TREAD mask has shape {tuple(mask.shape)}; give {FORMS}")
+    if not isinstance(mask, torch.Tensor) or mask.is_complex() or mask.ndim < 2:
+        what = (f"has shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) and not mask.is_complex() else
+                f"is a {type(mask).__name__} of dtype {mask.dtype}" if hasattr(mask, "dtype") else
+                f"is a {type(mask).__name__}")
+        raise UserError(f"the TREAD mask {what}; give {FORMS}")
     if mask.dtype == torch.bool:
         return mask if mask.ndim == 2 else mask.float()
     values = mask.detach().float()

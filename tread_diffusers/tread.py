@@ -367,10 +367,9 @@ def apply_tread(transformer, routes, *, selection: str = "random", mask_rule: st
     `selection` (a rule of routing_module.SELECTIONS) and its options apply to each route that names none.
     `mask_rule` makes a mask image into tokens ("half" or "any", tread_diffusers/masks.py); `kept_count`
     is "authors" (N - int(N * ratio) tokens kept) or "simpletuner" (N - round(N * ratio))."""
-    if mask_rule not in MASK_RULES:
-        raise UserError(f"apply_tread mask_rule={mask_rule!r}; choose one of {', '.join(MASK_RULES)}")
-    if kept_count not in KEPT_COUNTS:
-        raise UserError(f"apply_tread kept_count={kept_count!r}; choose one of {', '.join(KEPT_COUNTS)}")
+    for name, value, choices in (("mask_rule", mask_rule, MASK_RULES), ("kept_count", kept_count, KEPT_COUNTS)):
+        if value not in choices:
+            raise UserError(f"apply_tread {name}={value!r}; choose one of {', '.join(choices)}")
     if hasattr(transformer, "_orig_mod") or getattr(transformer, "_compiled_call_impl", None) is not None:
         raise UserError("this transformer is already compiled, and its compiled graphs would not see the routes; "
                         "call apply_tread on the model first, then torch.compile it")

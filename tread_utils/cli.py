@@ -18,8 +18,8 @@ def _int_at_least(value, minimum: int, what: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}") from None
-    if number < minimum:
+        number = None
+    if number is None or number < minimum:
         raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
     return number
 

@@ -111,10 +111,11 @@ def model_file(model_id, filename: str, **hub_kwargs) -> Path:
 def read_config(path) -> dict:
     try:
         config = json.loads(Path(path).read_text(encoding="utf-8"))
+        problem = None if isinstance(config, dict) else f"a JSON {type(config).__name__}, not an object"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is not a readable JSON model config ({e})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path} is not a model config (expected a JSON object)")
+        problem = str(e)
+    if problem:
+        raise UserError(f"{path} is not a readable JSON model config ({problem})")
     return config
 
 

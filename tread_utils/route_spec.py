@@ -171,14 +171,11 @@ class Route(Immutable):
         """Route `index` of a list (a `Route` or a config mapping) in a model of `depth` blocks: negative indices as
         block numbers, inside the model, start <= end (routing_module.resolve_routes places the whole list). A
         refusal names the route by its place in the list."""
-        if not isinstance(r, (Route, Mapping)):
-            raise RouteError(f"route {index} ({r!r}) needs integer start_layer_idx, end_layer_idx and a float "
-                             f"selection_ratio")
         missing = [k for k in ("start_layer_idx", "end_layer_idx", "selection_ratio")
                    if isinstance(r, Mapping) and r.get(k) is None]
-        if missing:
-            raise RouteError(f"route {index} needs integer start_layer_idx, end_layer_idx and a float "
-                             f"selection_ratio; it has no {' or '.join(missing)}")
+        if missing or not isinstance(r, (Route, Mapping)):
+            raise RouteError(f"route {index} needs integer start_layer_idx, end_layer_idx and a float selection_ratio"
+                             + (f"; it has no {' or '.join(missing)}" if missing else f", got {r!r}"))
         try:
             route = from_mapping(Route, r) if isinstance(r, Mapping) else r
             for which in ("start_layer_idx", "end_layer_idx"):
