@@ -206,19 +206,19 @@ def check_paths(cfg):
         if not d.train_path:
             raise UserError("dataset.train_path is required for dataset.kind=shards: set "
                             "dataset.train_path=/path/to/shards (python -m data.extract_latents writes them)")
-        path = Path(d.train_path).expanduser()
-        if not path.exists():
-            raise UserError(f"dataset.train_path={d.train_path} does not exist; give the folder of latent shards")
-        if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
-            raise UserError(f"dataset.train_path={d.train_path} is not readable; check its permissions")
+    optional = ("init_from", "train.eval.ref_batch", "train.eval.inception_weights", "repa.encoder_weights")
+    for key in ("dataset.train_path",) * (d.kind == "shards") + optional:
+        value = OmegaConf.select(cfg, key)
+        if value and not Path(value).expanduser().exists():
+            raise UserError(f"{key}={value} does not exist; give an existing path"
+                            + (f", or {key}=null" if key in optional else ""))
+    shards = Path(d.train_path or ".").expanduser()
+    if d.kind == "shards" and not os.access(shards, os.R_OK | (os.X_OK if shards.is_dir() else 0)):
+        raise UserError(f"dataset.train_path={d.train_path} is not readable; check its permissions")
     e = cfg.train.eval
     if e.eval_interval > 0 and d.kind == "shards" and not e.ref_batch:
         raise UserError("train.eval.ref_batch=null: in-training FID on latents needs a reference batch; set "
                         "train.eval.ref_batch=VIRTUAL_imagenet256_labeled.npz (ADM's), or train.eval.eval_interval=0")
-    for key in ("init_from", "train.eval.ref_batch", "train.eval.inception_weights", "repa.encoder_weights"):
-        value = OmegaConf.select(cfg, key)
-        if value and not Path(value).expanduser().exists():
-            raise UserError(f"{key}={value} does not exist; give an existing path, or {key}=null")
     check_init_from_resumes(cfg)
     check_init_from_source(cfg)
 
