@@ -10,7 +10,8 @@
 #              blocks on each side, as theirs), repa (tread + REPA, block 3, the digits classifier's map),
 #              tread_off (tread with routing off for the last 20% of the steps), sprint_off (sprint with no token
 #              dropped for the last 20%, fusion and path drop kept: SPRINT's full-token fine-tune in the same run)
-#   cost       the step cost alone: dit, tread at 0.25 / 0.5 / 0.75, SPRINT and tread + REPA, one run at a time
+#   cost       the step cost alone: dit, tread at 0.25 / 0.5 / 0.75, SPRINT and tread + REPA (COST, COST_RATIOS
+#              choose), one run at a time
 #              (whatever JOBS is; each on the threads a study run gets), COST_STEPS steps, no evaluation -> $RESULTS/cost/
 #   guidance   lab/guidance_eval.py on the SPRINT seed-0 run: unguided, CFG and path-drop guidance at
 #              GUIDANCE_SCALES, equal network evaluations, EVAL_SAMPLES samples    -> $REPORT/guidance/
@@ -50,6 +51,8 @@ RATIOS=${RATIOS:-0.25,0.75}               # RATIOS=0,0.25,0.5,0.75 trains all fo
 PLATFORM=${PLATFORM:-sprint,repa,tread_off,sprint_off}
 GUIDANCE_RUN=${GUIDANCE_RUN:-sprint}      # the platform variant whose seed-0 checkpoint the guidance stage scores
 COST_STEPS=${COST_STEPS:-400}
+COST=${COST:-dit,tread,sprint,repa}       # the cost stage's runs; tread's at each of COST_RATIOS
+COST_RATIOS=${COST_RATIOS:-0.25,0.5,0.75}
 GUIDANCE_SCALES=${GUIDANCE_SCALES:-1.5 2 3}
 EVAL_EVERY=${EVAL_EVERY:-250}             # FID + class_acc + nn_ratio every this many steps
 EVAL_SAMPLES=${EVAL_SAMPLES:-512}
@@ -77,6 +80,12 @@ declare -A VARIANT=([sprint]="$sprint" [repa]="repa.enabled=true" [tread_off]="$
 for variant in ${PLATFORM//,/ }; do
   [[ -n "${VARIANT[$variant]+set}" ]] || { echo "error: unknown variant '$variant' in PLATFORM=$PLATFORM" \
     "(sprint, repa, tread_off, sprint_off)" >&2; exit 2; }
+done
+declare -A COST_JOB=([dit]="model=dit" [tread]="model=tread $route.selection_ratio=$COST_RATIOS"
+                     [sprint]="model=tread $sprint" [repa]="model=tread repa.enabled=true")
+for name in ${COST//,/ }; do
+  [[ -n "${COST_JOB[$name]+set}" ]] || { echo "error: unknown cost run '$name' in COST=$COST" \
+    "(dit, tread, sprint, repa)" >&2; exit 2; }
 done
 [[ "${VARIANT[$GUIDANCE_RUN]:-}" == *fusion=sprint* ]] || { echo "error: GUIDANCE_RUN=$GUIDANCE_RUN is not a" \
   "variant with path-drop guidance (sprint, sprint_off)" >&2; exit 2; }
@@ -157,8 +166,8 @@ if wanted platform; then
   sweep "$STEPS" platform "${groups[@]}"
 fi
 if wanted cost; then  # runs sharing the cores slow each other unevenly: here each has the machine to itself
-  for job in "model=dit" "model=tread $route.selection_ratio=0.25,0.5,0.75" "model=tread $sprint" \
-      "model=tread repa.enabled=true"; do
+  for name in ${COST//,/ }; do
+    job=${COST_JOB[$name]}
     # shellcheck disable=SC2086  # a job is split into its overrides on purpose
     train "$COST_STEPS" cost global_seed=0 $job train.eval.eval_interval=0 "train.ckpt_every=$COST_STEPS" "${EXTRA[@]}"
   done

@@ -326,6 +326,14 @@ def test_toy_study_runs_only_the_chosen_stages(tmp_path):
     assert calls[0][-2:] == ["--out", "rep/guidance_sprint_off"]
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "pdg", STAGES="guidance", GUIDANCE_RUN="tread")
     assert proc.returncode == 2 and "GUIDANCE_RUN=tread is not a variant" in proc.stderr
+    (tmp_path / "cost").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "cost", STAGES="cost", COST="dit,tread",
+                               COST_RATIOS="0.5", RESULTS="r")
+    assert proc.returncode == 0 and len(calls) == 2 and "model=dit" in calls[0]
+    assert {"model=tread", "model.params.routes.0.selection_ratio=0.5"} <= set(calls[1])
+    (tmp_path / "badcost").mkdir()
+    calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "badcost", STAGES="compare,cost", COST="dit,trad")
+    assert proc.returncode == 2 and "unknown cost run 'trad'" in proc.stderr and not calls
     (tmp_path / "badvariant").mkdir()
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path / "badvariant", PLATFORM="sprint,rep")
     assert proc.returncode == 2 and "unknown variant 'rep'" in proc.stderr and not calls
