@@ -315,7 +315,8 @@ def write_study(parts, runs, out, sources, replaced=()):
             stem = plot_part(part, groups if x_index == 0 else clocked, out, x_index, colours)
             lines += [f"![{part} against {'step' if x_index == 0 else 'wall-clock'}]({stem}.png)", ""]
         base = next(((n, g) for n, g in groups.items() if g[0]["baseline"] and not g[0]["route_list"]), None) or \
-            next(((n, g) for n, g in groups.items() if g[0]["baseline"]), None)
+            next(((n, g) for n, g in groups.items() if g[0]["baseline"]), None) or \
+            (next(iter(groups.items())) if len(groups) == 2 else None)  # two routed settings (precision): one against the other
         rows = [row for n, g in groups.items() if base and n != base[0]
                 for row in welch_rows(part, base[0], base[1], n, g)]
         csv_rows += rows

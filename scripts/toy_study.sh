@@ -10,6 +10,8 @@
 #              blocks on each side, as theirs), repa (tread + REPA, block 3, the digits classifier's map),
 #              tread_off (tread with routing off for the last 20% of the steps), sprint_off (sprint with no token
 #              dropped for the last 20%, fusion and path drop kept: SPRINT's full-token fine-tune in the same run)
+#   precision  tread under train.mixed_precision=bf16, the block after the route in float32 (the authors',
+#              model.params.fp32_after_route=true) and in bf16 (false), seeds 0, 1, 2, STEPS   -> $RESULTS/precision/
 #   cost       the step cost alone: dit, tread at 0.25 / 0.5 / 0.75, SPRINT and tread + REPA (COST, COST_RATIOS
 #              choose), one run at a time
 #              (whatever JOBS is; each on the threads a study run gets), COST_STEPS steps, no evaluation -> $RESULTS/cost/
@@ -43,7 +45,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES=${STAGES:-compare,placement,ratio,platform,cost,guidance,archive,report}
+STAGES=${STAGES:-compare,placement,ratio,platform,precision,cost,guidance,archive,report}
 STEPS=${STEPS:-3000}                      # compare's budget: 3,000 steps
 PLACEMENT_STEPS=${PLACEMENT_STEPS:-2000}  # where compare separates best (class_acc Welch p 0.008 at 2,000; docs/results.md)
 RATIO_STEPS=${RATIO_STEPS:-2000}
@@ -70,8 +72,9 @@ if (( JOBS > 1 )); then  # train.py sets its own threads (train.cpu_threads, aut
 fi
 
 for stage in ${STAGES//,/ }; do
-  case "$stage" in compare|placement|ratio|platform|cost|guidance|archive|report) ;; *) echo "error: unknown stage" \
-    "'$stage' in STAGES=$STAGES (compare, placement, ratio, platform, cost, guidance, archive, report)" >&2; exit 2;; esac
+  case "$stage" in compare|placement|ratio|platform|precision|cost|guidance|archive|report) ;; *) echo "error: unknown" \
+    "stage '$stage' in STAGES=$STAGES (compare, placement, ratio, platform, precision, cost, guidance, archive, report)" >&2
+    exit 2;; esac
 done
 route=model.params.routes.0
 sprint="$route.end_layer_idx=9 $route.fusion=sprint $route.selection_ratio=0.75"
@@ -165,6 +168,9 @@ if wanted platform; then
   for variant in ${PLATFORM//,/ }; do groups+=("model=tread global_seed=0,1,2 ${VARIANT[$variant]}"); done
   sweep "$STEPS" platform "${groups[@]}"
 fi
+if wanted precision; then  # the authors' float32 block after the route against a bf16 one, both under bf16
+  sweep "$STEPS" precision "model=tread global_seed=0,1,2 train.mixed_precision=bf16 model.params.fp32_after_route=true,false"
+fi
 if wanted cost; then  # runs sharing the cores slow each other unevenly: here each has the machine to itself
   for name in ${COST//,/ }; do
     job=${COST_JOB[$name]}
@@ -182,7 +188,7 @@ if wanted guidance; then  # the seed-0 run's directory: its overrides, sorted (H
     --pdg-scales $GUIDANCE_SCALES --num-samples "$EVAL_SAMPLES" --out "$out"
 fi
 if wanted archive; then
-  for part in compare placement ratio platform cost; do
+  for part in compare placement ratio platform precision cost; do
     [[ -d "$RESULTS/$part" ]] || continue
     while IFS= read -r -d '' status; do
       run=$(dirname "$status")
@@ -205,7 +211,7 @@ if wanted archive; then
 fi
 if wanted report; then
   roots=()  # the parts run so far (study.md names its sources); none at all is the report's error
-  for part in compare placement ratio platform cost; do [[ -d "$RESULTS/$part" ]] && roots+=("$RESULTS/$part"); done
+  for part in compare placement ratio platform precision cost; do [[ -d "$RESULTS/$part" ]] && roots+=("$RESULTS/$part"); done
   (( ${#roots[@]} )) || { echo "error: no study runs under $RESULTS (run a training stage first)" >&2; exit 2; }
   untimed=() patterns=()
   read -ra patterns <<< "$UNTIMED"  # split at spaces, never globbed here

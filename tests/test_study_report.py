@@ -29,7 +29,7 @@ def acc_of(model, seed, step):
 
 
 def write_run(root, name, model="tread", seed=0, route=(2, 8, 0.5), nn=lambda step: 1.3, speed=4.0,
-              status="completed", evals=STEPS, route_extra=None, **config):
+              status="completed", evals=STEPS, route_extra=None, fid=fid_of, **config):
     """A run dir like train.py's: config.yaml (the model section's shape, `config` merged in), status.json,
     metrics.jsonl."""
     run = root / name
@@ -49,7 +49,7 @@ def write_run(root, name, model="tread", seed=0, route=(2, 8, 0.5), nn=lambda st
         t += 50 / speed
         lines.append(dict(step=step, time=t, loss=0.3, steps_per_sec=speed, world_size=1))
         if step in evals:
-            lines.append(dict(step=step, time=t + 5, fid=fid_of(model, seed, step), class_acc=acc_of(model, seed, step),
+            lines.append(dict(step=step, time=t + 5, fid=fid(model, seed, step), class_acc=acc_of(model, seed, step),
                               nn_ratio=nn(step), eval_seconds=5.0))
             t += 5
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -217,7 +217,8 @@ def study_jobs(calls, results):
     jobs = {}
     for call in calls:
         name = next(a for a in call if a.startswith("run_name=")).split("=")[1]
-        steps, every = {"compare": (3000, 250), "platform": (3000, 250), "cost": (400, 0)}.get(name, (2000, 250))
+        steps, every = {"compare": (3000, 250), "platform": (3000, 250), "precision": (3000, 250),
+                        "cost": (400, 0)}.get(name, (2000, 250))
         for job in expand(call[2:]):
             cfg = compose_cfg(job)
             assert (cfg.train.max_steps, cfg.train.eval.eval_interval, cfg.train.eval.fid_num_samples,
@@ -239,11 +240,11 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
     calls, proc = script_calls("scripts/toy_study.sh", tmp_path, RESULTS=str(results), REPORT="rep",
                                ARCHIVE=str(tmp_path / "archive"))
     assert proc.returncode == 0, proc.stderr
-    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 11 + [["-m", "lab.guidance_eval"],
+    assert [c[:2] for c in calls] == [["train.py", "-m"]] * 12 + [["-m", "lab.guidance_eval"],
                                                                  ["-m", "lab.study_report"], ["-m", "lab.digits_reference_limit"]]
     assert calls[-2][2:] == [str(results / "compare"), "--out", "rep"]
     assert calls[-1][2:] == ["--num-samples", "512", "--out", "rep/reference_limit"]
-    jobs = study_jobs(calls[:7], results)
+    jobs = study_jobs(calls[:8], results)
     by_repr = lambda values: sorted(values, key=repr)  # None and a step share a place: no natural order
     part = lambda name: by_repr(v for k, v in jobs.items() if k.startswith(f"{results}/{name}/"))
     assert part("compare") == by_repr([("dit", s, None) for s in range(3)] + [("tread", s, (2, 8, 0.5)) for s in range(3)])
@@ -253,14 +254,17 @@ def test_toy_study_stages_compose_with_the_issue_settings(tmp_path):
                                        [("tread", s, (2, 8, 0.5), ("none", True, None)) for s in range(3)] +
                                        [("tread", s, (2, 8, 0.5), ("none", False, 2400)) for s in range(3)] +
                                        [("tread", s, (2, 9, 0.75), ("sprint", False, 2400)) for s in range(3)])
-    assert len(jobs) == 6 + 9 + 6 + 12  # every run its own dir; ratios 0 and 0.5 are compare's runs
+    assert len(jobs) == 6 + 9 + 6 + 12 + 6  # every run its own dir; ratios 0 and 0.5 are compare's runs
+    precision = [c for c in calls[:8] if "run_name=precision" in c]
+    assert len(precision) == 1 and {"train.mixed_precision=bf16", "model.params.fp32_after_route=true,false",
+                                     "global_seed=0,1,2", "model=tread"} <= set(precision[0])
     sprint_seed0 = next(k for k, v in jobs.items() if v[1:] == (0, (2, 9, 0.75), ("sprint", False, None)))
-    cost = study_jobs(calls[7:11], results)  # one train.py call at a time, so one run at a time
+    cost = study_jobs(calls[8:12], results)  # one train.py call at a time, so one run at a time
     assert sorted(cost.values()) == sorted([("dit", 0, None)] + [("tread", 0, (2, 8, r)) for r in (0.25, 0.5, 0.75)] +
                                            [("tread", 0, (2, 9, 0.75), ("sprint", False, None)),
                                             ("tread", 0, (2, 8, 0.5), ("none", True, None))])
     assert all(k.startswith(f"{results}/cost/") for k in cost)
-    guidance = calls[11][2:]
+    guidance = calls[12][2:]
     assert guidance[0] == sprint_seed0 and guidance[-2:] == ["--out", "rep/guidance"]
     assert guidance[1:9] == ["--cfg-scales", "1.5", "2", "3", "--pdg-scales", "1.5", "2", "3"]
     assert guidance[9:11] == ["--num-samples", "512"]
@@ -411,6 +415,28 @@ def test_sprint_repa_schedule_and_late_routing_off_are_configurations_of_their_o
     assert list(groups)[0] == "dit" and sorted(groups) == sorted([
         "dit", "tread 2->8 @ 0.5", "tread 2->8 @ 0.5 (REPA block 3)", "tread 2->8 @ 0.5 (cosine schedule)",
         "tread 2->8 @ 0.5 (routing off after 600)", "tread 2->8 @ 0.75 (sprint)"])
+
+
+def test_two_routed_settings_without_a_baseline_are_compared_with_each_other(tmp_path):
+    """The precision part: tread under bf16 with the block after the route in float32 and in bf16, no dit."""
+    root = tmp_path / "precision"
+    worse = lambda model, seed, step: fid_of(model, seed, step) + 0.5 * seed + 1.0
+    for seed in range(3):
+        for fp32, fid in ((True, fid_of), (False, worse)):
+            run = write_run(root, f"global_seed={seed},model.params.fp32_after_route={fp32}", seed=seed, fid=fid,
+                            train={"max_steps": STEPS[-1], "mixed_precision": "bf16"})
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            cfg["model"]["params"]["fp32_after_route"] = fp32
+            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    run_script("lab.study_report", root, "--out", out, check=True)
+    rows = [r for r in study_csv(out) if r["metric"] == "fid"]
+    assert len(rows) == len(STEPS) and len({(r["baseline"], r["routed"]) for r in rows}) == 1
+    flip = 1 if "False" in rows[0]["routed"] else -1  # routed - baseline, whichever way round the report put them
+    for r in rows:
+        a, b = ([f(m, s, int(r["step"])) for s in range(3)] for f, m in ((fid_of, "tread"), (worse, "tread")))
+        assert float(r["difference"]) == pytest.approx(flip * (np.mean(b) - np.mean(a)))
+        assert float(r["p_welch"]) == pytest.approx(stats.ttest_ind(b, a, equal_var=False).pvalue)
 
 
 def test_equal_training_time_table_interpolates_at_the_fastest_configurations_end(tmp_path):
