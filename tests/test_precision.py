@@ -92,20 +92,6 @@ def test_grad_scaler_state_survives_a_resume(tmp_path, monkeypatch):
     assert resumed.accelerator.scaler.state_dict() == scaler.state_dict()
 
 
-@pytest.mark.parametrize("torch_version, cudnn, capability, faults", [
-    ("2.11.0+cu130", 91300, (9, 0), True),    # the H100 where a FLUX LoRA step faulted
-    ("2.14.1+cu130", 92600, (10, 0), True),   # torch 2.11 and later: NaN query gradients (no fixed release)
-    ("2.10.0+cu128", 91400, (9, 0), True),    # cuDNN before 9.15.1: the illegal access
-    ("2.10.0+cu128", 91501, (9, 0), False),   # fixed cuDNN, torch before 2.11
-    ("2.11.0+cu130", 91300, (8, 0), False),   # an A100: torch does not pick cuDNN's attention first
-    ("2.11.0", None, None, False),            # no GPU
-])
-def test_cudnn_attention_fault_decision(torch_version, cudnn, capability, faults):
-    from tread_utils.precision import cudnn_attention_faults
-
-    assert cudnn_attention_faults(torch_version, cudnn, capability) is faults
-
-
 @pytest.fixture
 def hopper_with_torch_2_11(monkeypatch):
     """The attention decision reading an H100 with torch 2.11 and cuDNN 9.13, cuDNN's attention on. (torch's own

@@ -7,8 +7,9 @@ the block right after each route, which runs in float32 (`fp32_after_route`, als
 TF32 it runs on tensor cores at about half the bf16 rate, without it at a small fraction of that.
 On a CPU the flags change nothing.
 
-The attention backend: where cuDNN's fused attention is known to fault in backward (below), the training entry
-points turn it off and say so in one line, with a switch that keeps it.
+The attention backend: where cuDNN's fused attention was seen to fault in backward (below), the training entry
+points turn it off and say so in one line, with a switch that keeps it; which kernels the models' attention runs
+is tread_utils/attention.py's choice.
 """
 import torch
 
@@ -24,23 +25,36 @@ def precision_policy() -> dict:
             "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32)}
 
 
-# cuDNN's fused attention (the first SDPA backend torch tries on Hopper and newer) has faulted in backward on
-# long sequences: an illegal memory access after `mha_graph.execute(...).is_good()` fails (pytorch#122695,
-# #169849: fixed for one case in cuDNN 9.15.1), NaN query gradients with an attention mask at lengths
-# 64 mod 128 on H100/H200 from torch 2.11 (pytorch#196678; no fixed release yet). Seen here: a FLUX LoRA step
-# on an H100 with torch 2.11 + cuDNN's attention failed at its first backward; without it the step runs.
-CUDNN_ATTENTION_FIXED = 91501  # cuDNN 9.15.1
-TORCH_NAN_GRAD_FROM = (2, 11)
+# Where cuDNN's fused attention (the first SDPA backend torch tries on Hopper and newer) was seen to fail in
+# backward, one row per report: (torch from, torch before, cuDNN from, cuDNN before), as (major, minor) and
+# torch.backends.cudnn.version() numbers; None leaves that end open. A stack outside every row keeps cuDNN's
+# attention (a newer cuDNN installed over torch's: `python -m lab.cudnn_attention_fault` checks it there).
+CUDNN_ATTENTION_FAULTS = (
+    # an illegal memory access after `mha_graph.execute(...).is_good()` fails, on long sequences: public reports
+    # pytorch#122695 and #169849, fixed in cuDNN 9.15.1
+    (None, None, None, 91501),
+    # NaN query gradients with an attention mask at lengths 64 mod 128 on H100/H200 from torch 2.11: public report
+    # pytorch#196678, fixed in cuDNN 9.26 (by cudnn-frontend's fix)
+    ((2, 11), None, None, 92600),
+    # seen in this project: an illegal memory access at the first backward of an unmasked FLUX LoRA step on an H100
+    # (torch 2.11 with the cuDNN it ships, 9.19), and a fault with torch 2.11 + cuDNN 9.19 on an H200
+    ((2, 11), (2, 12), 91900, 92000),
+)
+
+
+def _within(value, start, stop) -> bool:
+    return (start is None or value >= start) and (stop is None or value < stop)
 
 
 def cudnn_attention_faults(torch_version: str, cudnn_version, capability) -> bool:
     """Whether this torch / cuDNN / GPU (compute capability (major, minor)) is one where cuDNN's attention
-    backward is known to fault: a Hopper or newer GPU (where torch picks cuDNN's attention first), with cuDNN
-    before 9.15.1 or torch 2.11 or later."""
+    backward was seen to fail: a Hopper or newer GPU (where torch picks cuDNN's attention first) on a stack within
+    a row of CUDNN_ATTENTION_FAULTS."""
     if capability is None or tuple(capability) < (9, 0):
         return False
     release = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
-    return (cudnn_version or 0) < CUDNN_ATTENTION_FIXED or release >= TORCH_NAN_GRAD_FROM
+    return any(_within(release, torch_from, torch_before) and _within(cudnn_version or 0, cudnn_from, cudnn_before)
+               for torch_from, torch_before, cudnn_from, cudnn_before in CUDNN_ATTENTION_FAULTS)
 
 
 def attention_stack():
