@@ -19,7 +19,6 @@ import typing
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch.utils.checkpoint import checkpoint
 
@@ -33,6 +32,7 @@ from tread_utils.errors import UserError
 from tread_utils.hub import (CONFIG_NAME, WEIGHTS_NAME, hub_errors_as_user_errors, load_exact, model_file, read_config,
                              read_weights, refuse_missing_folder)
 from tread_utils import model_spec
+from tread_utils.attention import attention
 from tread_utils.schema_fields import TYPE_WORDS, plain_type, takes
 
 
@@ -97,7 +97,7 @@ class Attention(nn.Module):
     def forward(self, x):
         B, N, C = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
-        x = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        x = attention(self.q_norm(q), self.k_norm(k), v)
         return self.proj(x.transpose(1, 2).reshape(B, N, C))
 
 
