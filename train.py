@@ -73,6 +73,8 @@ def main(cfg: DictConfig):
                                      overrides=HydraConfig.get().overrides.task)
         from tread_utils.distributed import check_cuda_processes  # loads torch: only for a valid config
         check_cuda_processes(mixed_precision=cfg.train.mixed_precision)
+        from tread_utils.attention import check_attention
+        check_attention(cfg.train.attention, "train.attention")  # its package and this GPU, before anything is written
         from training.loop import training_dataset  # torch and the model code load only for a valid config
         dataset = training_dataset(cfg)  # the data read and checked (shards, manifest.json, one global batch)
     except UserError as e:

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import modulate
+from tread_utils.attention import attention
 from tread_utils.errors import UserError
 
 ROPE_THETA = 10000.0
@@ -57,7 +58,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RotaryAttention(nn.Module):
-    """Multi-head self-attention with 2-D RoPE on queries and keys, through F.scaled_dot_product_attention."""
+    """Multi-head self-attention with 2-D RoPE on queries and keys, through tread_utils.attention's selected backend."""
 
     def __init__(self, dim, num_heads, qk_norm=False):
         super().__init__()
@@ -73,7 +74,7 @@ class RotaryAttention(nn.Module):
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         cos, sin = rope_cos_sin(positions, self.head_dim)
         q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-        x = F.scaled_dot_product_attention(q, k, v)
+        x = attention(q, k, v)
         return self.proj(x.transpose(1, 2).reshape(B, N, C))
 
 

@@ -176,8 +176,11 @@ class TrainSchema:
                                           "changes), true (dynamic from the start), false (static: one graph per "
                                           "shape)", None)
     tf32: bool = key("TF32 matmuls/convolutions on CUDA")
-    keep_cudnn_attention: bool = key("keep cuDNN's fused attention on a torch / cuDNN / GPU where its backward is "
-                                     "known to fault (false: flash or memory-efficient attention, said in one line)")
+    keep_cudnn_attention: bool = key("keep cuDNN's fused attention on a torch / cuDNN / GPU where its backward was "
+                                     "seen to fault (false: flash or memory-efficient attention, said in one line)")
+    attention: str = key("the attention kernels of the model's blocks (tread_utils/attention.py; what each runs and on "
+                         "which GPU: docs/performance.md), its package and GPU checked at start-up",
+                         rule=registry("tread_utils.attention:BACKENDS"), eg="flash4")
     cpu_threads: Any = key("CPU runs: torch threads per process, or auto (cores / local processes)", rule=Rule(
         lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
         "auto or an integer >= 1"), eg="auto")

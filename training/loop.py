@@ -32,6 +32,7 @@ from training.repa import build_repa
 from training.progress import Progress
 from training.run_log import MetricsLogger, format_metrics, open_run_log, summary_line
 from training.run_state import init_weights, load_training_state, save_snapshot, seed_random_streams
+from tread_utils.attention import use_attention
 from tread_utils.distributed import set_cpu_threads, start_processes
 from tread_utils.errors import UserError
 from tread_utils.precision import avoid_faulting_attention, set_precision_policy
@@ -178,9 +179,11 @@ def start(cfg: DictConfig) -> Accelerator:
     accelerator = start_processes(cfg.train.dist_timeout_minutes, mixed_precision=cfg.train.mixed_precision,
                                   cpu=not torch.cuda.is_available())
     set_precision_policy(cfg.train.tf32)
-    attention = avoid_faulting_attention(cfg.train.keep_cudnn_attention, "train.keep_cudnn_attention=true")
-    if attention and accelerator.is_main_process:
-        print(attention, flush=True)
+    cudnn = avoid_faulting_attention(cfg.train.keep_cudnn_attention, "train.keep_cudnn_attention=true")
+    kernels = use_attention(cfg.train.attention, "train.attention", accelerator.device)  # train.py checked it
+    for line in (cudnn, kernels):
+        if line and accelerator.is_main_process:
+            print(line, flush=True)
     fsdp.refuse_accelerate_fsdp(accelerator, cfg.train.distributed)
     set_cpu_threads(cfg.train.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # on GPU runs too
     return accelerator
