@@ -51,6 +51,7 @@ from lab.bench_timing import matmul_ceiling
 from lab.bench_training import (AUTO_MICRO_BATCH, COMPILE_SCOPES, FP32_AFTER_ROUTE, bench_training, compile_model,
                                 model_params)
 from lab.paper_code import load_paper_dit
+from tread_utils.attention import BACKENDS, DEFAULT as DEFAULT_ATTENTION, use_attention
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.precision import avoid_faulting_attention, precision_policy, set_precision_policy
@@ -83,7 +84,8 @@ def bench_sampling(args, device, dtype):
             sync(device)
             sec = time.perf_counter() - t0
             rows.append(dict(backbone=backbone, guidance=name, batch=args.sample_batch, num_steps=args.sample_steps,
-                             images_per_s=args.sample_batch / sec, nfe_per_image=counter.num_rows / args.sample_batch))
+                             attention=args.attention, images_per_s=args.sample_batch / sec,
+                             nfe_per_image=counter.num_rows / args.sample_batch))
             print(f"sampling {backbone} {name}: {rows[-1]['images_per_s']:.3f} images/s, "
                   f"{rows[-1]['nfe_per_image']:.0f} NFE/image", flush=True)
     return rows
@@ -115,6 +117,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--keep-cudnn-attention", action="store_true",
                         help="train.keep_cudnn_attention=true: keep cuDNN's fused attention where the trainer turns "
                              "it off (tread_utils.precision.cudnn_attention_faults)")
+    parser.add_argument("--attention", choices=list(BACKENDS), default=DEFAULT_ATTENTION,
+                        help="train.attention: the attention kernels of our model's blocks (tread_utils/attention.py; "
+                             "the paper code's stay torch's choice); every row records it")
     parser.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                         help="torch.compile our backbone (`--compile` = on; `both` times eager and compiled)")
     parser.add_argument("--compile-scope", choices=sorted(COMPILE_SCOPES), default="model",
@@ -191,12 +196,14 @@ def main():
     dtype = DTYPES[args.dtype]
     set_precision_policy(args.tf32 == "on")  # the trainer's policy (train.tf32), so timings describe it
     attention = avoid_faulting_attention(args.keep_cudnn_attention, "--keep-cudnn-attention")  # as the trainer
+    kernels = use_attention(args.attention, "--attention", device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU ({torch.get_num_threads()} threads)"
     ceiling = matmul_ceiling(device, dtype)
     print(f"{device_name}: matmul ceiling {ceiling / 1e12:.3f} TFLOP/s ({args.dtype})", flush=True)
-    if attention:
-        print(attention, flush=True)
+    for line in (attention, kernels):
+        if line:
+            print(line, flush=True)
     result = dict(device=device_name, dtype=args.dtype, matmul_ceiling=ceiling, torch=torch.__version__,
                   precision=precision_policy(), attention=attention, compile_mode=args.compile_mode,
                   compile_backend=args.compile_backend, grad_checkpointing=args.grad_checkpointing)

@@ -13,6 +13,7 @@ from lab.paper_code import build_paper_model, eager_context, load_our_weights
 from training.compile import SCOPES, compile_backbone
 from training.flops import training_step_flops
 from training.loop import build_adamw
+from tread_utils.attention import DEFAULT as DEFAULT_ATTENTION
 
 # Micro-batch by default for global batches above this: DiT-XL/2 at batch 256 in one pass needs about 82 GiB
 # (compiled, bf16) against an 80 GB GPU's 79; two micro-batches of 128 fit (DiT-L/2 is close to the limit eager).
@@ -160,7 +161,8 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None, save=lambda row
                 measured = time_or_out_of_memory(build, args.steps, args.warmup, device,
                                                  profile=args.profile and code == "ours")
                 row = dict(backbone=backbone, batch=batch, micro_batch=micro_batch, code=code, mode=mode,
-                           compile_scope=scope, model=model_name, fp32_after_route=fp32, **measured)
+                           compile_scope=scope, model=model_name, fp32_after_route=fp32,
+                           attention=args.attention if code == "ours" else DEFAULT_ATTENTION, **measured)
                 name = (f"{backbone} batch {batch} (micro-batch {micro_batch}) {code} {mode}"
                         f"{f' ({scope})' if code == 'ours' and scope else ''} {model_name}"
                         f"{'' if fp32 is not False else ' bf16-after-route'}")
