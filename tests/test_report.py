@@ -294,6 +294,17 @@ def test_settings_name_a_key_an_older_config_lacks_and_skip_routes_a_run_has_not
                                                                                                 "note=x"]
 
 
+def test_a_key_added_later_groups_at_its_default_and_splits_at_another_value():
+    """A run saved before `train.attention` existed ran the code its default keeps (configs/config.yaml's sdpa):
+    one configuration with a run that saved the default, another with a run that chose another kernel."""
+    before = {"model.name": "tread", RATIO: 0.5}
+    at_default, other = dict(before, **{"train.attention": "sdpa"}), dict(before, **{"train.attention": "math"})
+    runs = [{"config": c, "run": name} for name, c in (("before", before), ("default", at_default), ("math", other))]
+    groups = group_by_configuration(runs)
+    assert [[r["run"] for r in g] for g in groups] == [["before", "default"], ["math"]]
+    assert settings_labels(groups) == ["attention=sdpa", "attention=math"]
+
+
 def test_placement_chart_states_the_noise_it_has(one_key_apart):
     """Single-seed routes against a 3-seed baseline: one hue, the baseline's seed std stated, each difference ±
     its standard error; seeds everywhere: mean ± std and red to green; no seeds at all: no error claimed."""

@@ -1,9 +1,15 @@
 """What a run's configuration is, for tools/report.py and lab/study_report.py: its whole resolved config.yaml
-but the seed and bookkeeping keys, so runs are averaged only over seeds of one configuration (a config key added
-later can never merge runs that differ in it), and the short `key=value` settings that name each configuration."""
+but the seed and bookkeeping keys, so runs are averaged only over seeds of one configuration, and the short
+`key=value` settings that name each configuration. A config key added later is read at its default in a config
+that lacks it (a key is added with the default that keeps what the code did before it), so runs saved before and
+after it group together unless one sets it to another value."""
+import functools
 import json
 import re
 import statistics
+from pathlib import Path
+
+import yaml
 
 # Config keys that cannot change what a run trains or what its evaluations measure: the seed (what a
 # configuration's runs are averaged over), where the run writes and what it is called, how it resumes and
@@ -17,7 +23,26 @@ NOT_CONFIGURATION = re.compile(r"(global_seed|results_dir|run_name|resume|lock_s
 IN_COLUMNS = re.compile(r"model\.(name|backbone_type|params\.enable_routing"
                         r"|params\.routes\.\d+\.(start_layer_idx|end_layer_idx|selection_ratio))")
 ROUTE_KEY = re.compile(r"model\.params\.routes(\.\d+\.|$)")
-UNSET = "unset"  # the value of a key an older config lacks
+UNSET = "unset"  # the value of a key an older config lacks and that has no default
+
+
+@functools.lru_cache(maxsize=1)
+def defaults() -> dict:
+    """{dotted key: default}: the typed schema's defaults under configs/config.yaml's values (a dataset or model
+    group's are not defaults: runs of one group carry them)."""
+    from omegaconf import OmegaConf
+
+    from training.config_schema import ConfigSchema
+
+    schema = flat_config(OmegaConf.to_container(OmegaConf.structured(ConfigSchema), throw_on_missing=False))
+    top = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "config.yaml").read_text())
+    merged = {**schema, **flat_config({k: v for k, v in top.items() if k not in ("defaults", "hydra")})}
+    return {k: v for k, v in merged.items() if v != "???"}
+
+
+def value(config, key):
+    """A config's value of `key`: its own, else the default, else UNSET."""
+    return config.get(key, defaults().get(key, UNSET))
 
 
 def flat_config(node, prefix=""):
@@ -42,7 +67,9 @@ def configuration_key(run):
     config.yaml is a configuration of its own."""
     if run.get("config") is None:
         return ("run", run["run"])
-    return tuple(sorted((k, canonical(v)) for k, v in run["config"].items()))
+    known = defaults()
+    return tuple(sorted((k, canonical(v)) for k, v in run["config"].items()
+                        if k not in known or canonical(known[k]) != canonical(v)))
 
 
 def group_by_configuration(runs):
@@ -66,11 +93,11 @@ def settings_labels(groups, hidden=IN_COLUMNS):
     short = {k: n if list(short.values()).count(n) == 1 else k for k, n in short.items()}  # clashes: full keys
     labels = [[] for _ in groups]
     for key in keys:
-        values = [canonical(c.get(key, UNSET)) if c is not None and applies(c, key) else None for c in configs]
+        values = [canonical(value(c, key)) if c is not None and applies(c, key) else None for c in configs]
         held = [v for v in values if v is not None]
-        for label, config, value in zip(labels, configs, values):
-            if value is not None and len(set(held)) > 1 and 2 * held.count(value) <= len(held):
-                label.append(f"{short[key]}={shown(config.get(key, UNSET))}")
+        for label, config, held_value in zip(labels, configs, values):
+            if held_value is not None and len(set(held)) > 1 and 2 * held.count(held_value) <= len(held):
+                label.append(f"{short[key]}={shown(value(config, key))}")
     return [", ".join(label) for label in labels]
 
 
