@@ -42,6 +42,7 @@ ROUTES = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_i
 OWNERS = ("ours", "the step (tools/, lab/)", "peft", "diffusers", "torch: nn.Module calls", "torch: layers",
           "torch: checkpoint", "torch: autograd engine", "torch: optimizer", "torch: other")
 UNOWNED = "the profiler's own"  # cProfile's enable/disable: outside the step
+OUR_FUNCTIONS = 10  # the record's list of our most costly functions
 
 
 def owner(func: tuple):
@@ -67,9 +68,11 @@ def owner(func: tuple):
     return None  # a builtin, a C function or the standard library: its caller's
 
 
-def split_by_owner(stats: pstats.Stats) -> dict:
-    """{owner: [python seconds, C seconds, calls]} of one profile."""
+def split_by_owner(stats: pstats.Stats) -> tuple:
+    """({owner: [python seconds, C seconds, calls]}, {our function: [seconds, calls]}) of one profile: a function
+    of ours counts its own time and that of the C and standard-library functions it calls directly."""
     table = {who: [0.0, 0.0, 0] for who in (*OWNERS, UNOWNED)}
+    ours = {}
     memo = {}
 
     def shares(func, seen=()) -> dict:
@@ -96,15 +99,25 @@ def split_by_owner(stats: pstats.Stats) -> dict:
         if who is not None:
             table[who][column] += tottime
             table[who][2] += calls
+            if who == "ours":
+                _count(ours, func, tottime, calls)
             continue
         for caller, (_, n, tt, _) in callers.items():
             for whose, share in shares(caller, (func,)).items():
                 table[whose][column] += tt * share
                 table[whose][2] += n * share
-    return table
+            if owner(caller) == "ours":
+                _count(ours, caller, tt, 0)
+    return table, ours
 
 
-def profiled_step(step) -> dict:
+def _count(functions: dict, func: tuple, seconds: float, calls: int) -> None:
+    entry = functions.setdefault(f"{Path(func[0]).name}:{func[2]}", [0.0, 0])
+    entry[0] += seconds
+    entry[1] += calls
+
+
+def profiled_step(step) -> tuple:
     profile = cProfile.Profile()
     profile.enable()
     step()
@@ -134,14 +147,20 @@ def measure(steps: int, warmup: int) -> dict:
             if handle:
                 handle.remove()
     out = {}
-    for routed, (tables, wall) in results.items():
+    for routed, (profiles, wall) in results.items():
+        tables = [table for table, _ in profiles]
         owners = {who: dict(python_ms=statistics.median(t[who][0] for t in tables) * 1e3,
                             c_ms=statistics.median(t[who][1] for t in tables) * 1e3,
                             calls=round(statistics.median(t[who][2] for t in tables)))
                   for who in OWNERS}
         profiled = statistics.median(sum(v[0] + v[1] for w, v in t.items() if w != UNOWNED) for t in tables) * 1e3
+        names = {name for _, ours in profiles for name in ours}
+        ours = {name: dict(ms=statistics.median(f.get(name, [0.0, 0])[0] for _, f in profiles) * 1e3,
+                           calls=round(statistics.median(f.get(name, [0.0, 0])[1] for _, f in profiles)))
+                for name in names}
+        top = dict(sorted(ours.items(), key=lambda item: -item[1]["ms"])[:OUR_FUNCTIONS])
         out["routed" if routed else "unrouted"] = dict(owners=owners, profiled_step_ms=profiled,
-                                                       step_ms=statistics.median(wall) * 1e3)
+                                                       step_ms=statistics.median(wall) * 1e3, ours=top)
     return out
 
 
@@ -155,8 +174,11 @@ def to_markdown(record: dict) -> str:
                      f"{r[who]['python_ms']:.1f} | {r[who]['c_ms']:.1f} | {r[who]['calls']} |")
     lines.append(f"| step, profiled | {record['unrouted']['profiled_step_ms']:.0f} | | | "
                  f"{record['routed']['profiled_step_ms']:.0f} | | |")
-    lines.append(f"| step, not profiled (CPU time) | {record['unrouted']['step_ms']:.0f} | | | {record['routed']['step_ms']:.0f}"
-                 f" | | |")
+    lines.append(f"| step, not profiled (CPU time) | {record['unrouted']['step_ms']:.0f} | | | "
+                 f"{record['routed']['step_ms']:.0f} | | |")
+    lines += ["", "Ours in the routed step, by function (its own time and the C calls it makes), ms per step (calls):",
+              "", "| function | ms | calls |", "|---|---|---|"]
+    lines += [f"| {name} | {f['ms']:.1f} | {f['calls']} |" for name, f in record["routed"]["ours"].items()]
     return "\n".join(lines) + "\n"
 
 

@@ -17,7 +17,8 @@ def test_torch_ops_and_the_standard_library_count_for_their_callers_owner():
     profile.enable()
     routed()
     profile.disable()
-    table = split_by_owner(pstats.Stats(profile))
+    table, ours = split_by_owner(pstats.Stats(profile))
     python_ms, c_ms, calls = table["ours"]
     assert python_ms > 0 and c_ms > 0 and calls >= 3  # start_route, _expand; torch.gather, expand, unsqueeze
     assert all(table[who][2] == 0 for who in OWNERS if who.startswith("torch"))
+    assert ours["routing_module.py:start_route"][0] > 0 and ours["routing_module.py:start_route"][1] == 1
