@@ -221,12 +221,12 @@ class _NpyShard:
         if self._maps is None or self._maps[0] != os.getpid():
             arrays = []
             for p in (self.path, self.label_path):
-                if not os.path.isfile(p):
-                    raise UserError(f"{p} is missing; every *{NPY_LATENTS} needs its *{NPY_LABELS} next to it")
                 try:
                     arrays.append(np.load(p, mmap_mode="r", allow_pickle=False))
                 except (OSError, ValueError, EOFError) as e:
-                    raise UserError(f"{p}: unreadable .npy ({e}); re-create the file") from None
+                    why = (f"an unreadable .npy ({e}); re-create the file" if os.path.isfile(p) else
+                           f"missing; every *{NPY_LATENTS} needs its *{NPY_LABELS} next to it")
+                    raise UserError(f"{p} is {why}") from None
             self._maps = (os.getpid(), *arrays)
         return self._maps[1], self._maps[2]
 

@@ -111,12 +111,12 @@ def test_backends_that_cannot_run_here_are_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(A, "installed", lambda module: False)
     assert 'flash-attn-4 package, not installed here: pip install -e ".[hopper]"' in refusal("flash4", device="cpu")
     monkeypatch.setattr(A, "installed", lambda module: True)
-    assert "flash4 runs on a CUDA GPU (sm90 or newer)" in refusal("flash4", device="cpu")
-    assert "cudnn runs on a CUDA GPU (sm80 or newer)" in refusal("cudnn", device="cpu")
+    assert "flash4 runs on a CUDA GPU of sm90 or newer and this process runs on the cpu" in refusal("flash4", device="cpu")
+    assert "cudnn runs on a CUDA GPU of sm80 or newer" in refusal("cudnn", device="cpu")
     assert "not an attention backend; use one of sdpa, flash" in refusal("flash3", device="cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(A, "attention_stack", lambda: None)
-    assert "needs a GPU of sm90 or newer and this one is sm80" in refusal("flash4", device="cuda")
+    assert "runs on a CUDA GPU of sm90 or newer and this one is sm80" in refusal("flash4", device="cuda")
     assert A.check_attention("cudnn", "train.attention", "cuda") is A.BACKENDS["cudnn"]
 
 

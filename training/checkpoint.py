@@ -86,14 +86,12 @@ def resolve_checkpoint(path) -> Path:
     path = Path(str(path)).expanduser()
     if path.is_file() or is_exported_folder(path):
         return path
-    if path.is_dir():
-        for folder in (path / "checkpoints", path):
-            found = list_checkpoints(folder)
-            if found:
-                return found[-1][1]
-        raise UserError(f"{path} holds no checkpoints (expected {path}/checkpoints/ckpt_*.pt, or config.json and "
-                        f"model.safetensors of an exported model)")
-    raise UserError(f"checkpoint {path} does not exist (give a ckpt_*.pt file, a run directory or an exported model)")
+    found = [c for folder in (path / "checkpoints", path) if path.is_dir() for c in list_checkpoints(folder)[-1:]]
+    if found:
+        return found[0][1]
+    raise UserError(f"{path} holds no checkpoints (expected {path}/checkpoints/ckpt_*.pt, or config.json and "
+                    f"model.safetensors of an exported model)" if path.is_dir() else
+                    f"checkpoint {path} does not exist (give a ckpt_*.pt file, a run directory or an exported model)")
 
 
 RESUME_ADVICE = "move it away to resume from an earlier one, or start over with resume=false"

@@ -117,15 +117,12 @@ def check_attention(name: str, setting: str, device=None, package: bool = True) 
                         f"{INSTALL_HOPPER} (or pip install --pre {needed.distribution})")
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     wanted = "sm{}{}".format(*backend.capability)
-    if device.type != "cuda":
-        if backend.cpu:
-            return backend
-        raise UserError(f"{setting}={name} runs on a CUDA GPU ({wanted} or newer) and this process runs on the "
-                        f"{device.type}; use {setting}={DEFAULT}")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < backend.capability:
-        raise UserError(f"{setting}={name} needs a GPU of {wanted} or newer and this one is sm{capability[0]}"
-                        f"{capability[1]}; use {setting}={DEFAULT}")
+    if device.type != "cuda" and backend.cpu:
+        return backend
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability < backend.capability:
+        here = f"this process runs on the {device.type}" if capability is None else "this one is sm{}{}".format(*capability)
+        raise UserError(f"{setting}={name} runs on a CUDA GPU of {wanted} or newer and {here}; use {setting}={DEFAULT}")
     stack = attention_stack()
     if name == "cudnn" and stack is not None and cudnn_attention_faults(*stack):
         version, cudnn, _ = stack
