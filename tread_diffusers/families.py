@@ -28,19 +28,22 @@ class SampleRope:
     the `unsqueeze(1)` by which Qwen-Image's broadcasts its complex [S, head_dim / 2] table over [B, S, heads, .]."""
 
     def __init__(self, table: torch.Tensor):
-        self.table = table
+        # The broadcasting views, made once: a routed forward shares one table between its blocks and their
+        # recomputations, and each attention indexes it twice (query, key); a view made per index was the
+        # largest part of TREAD's host time in an eager FLUX step (docs/perf/flux_host_profile_cpu*.md).
+        self.table, self._tokens_first, self._heads_first = table, table[:, :, None], table[:, None]
 
     def unsqueeze(self, dim: int) -> torch.Tensor:
         if dim != 1:
             raise TypeError(f"a per-sample RoPE table of a routed block was unsqueezed at {dim}, which TREAD does "
                             f"not know how to serve; call handle.remove() and report the diffusers version")
-        return self.table[:, :, None]
+        return self._tokens_first
 
     def __getitem__(self, index):
         if index == (None, slice(None), None, slice(None)):  # sequence_dim=1: [B, S, 1, head_dim]
-            return self.table[:, :, None]
+            return self._tokens_first
         if index == (None, None, slice(None), slice(None)):  # sequence_dim=2: [B, 1, S, head_dim]
-            return self.table[:, None]
+            return self._heads_first
         raise TypeError(f"a per-sample RoPE table of a routed block was indexed by {index!r}, which TREAD does "
                         f"not know how to serve; call handle.remove() and report the diffusers version")
 
