@@ -95,15 +95,13 @@ def resolve_inception_weights(path=None, allow_download: bool = True, option=Non
         candidate = folder / WEIGHTS_FILENAME
         if candidate.is_file():
             return candidate
-    if not allow_download or os.environ.get(OFFLINE_ENV, "").strip() not in ("", "0"):
-        raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found and downloads are off; "
-                        f"{_how_to_point(option)}")
-    try:
-        return _download(weight_cache_dirs()[0] / WEIGHTS_FILENAME, option)
-    except (urllib.error.URLError, OSError, TimeoutError) as e:
-        reason = getattr(e, "reason", None) or e
-        raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found locally and the download failed "
-                        f"({reason}); {_how_to_point(option)}") from None
+    why = "downloads are off"
+    if allow_download and os.environ.get(OFFLINE_ENV, "").strip() in ("", "0"):
+        try:
+            return _download(weight_cache_dirs()[0] / WEIGHTS_FILENAME, option)
+        except (urllib.error.URLError, OSError, TimeoutError) as e:
+            why = f"the download failed ({getattr(e, 'reason', None) or e})"
+    raise UserError(f"Inception weights {WEIGHTS_FILENAME} not found locally and {why}; {_how_to_point(option)}")
 
 
 def load_inception(weights=None, device=None, random_init: bool = False, seed: int = 0,

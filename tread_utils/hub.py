@@ -66,17 +66,18 @@ def hub_errors_as_user_errors(model_id):
     try:
         yield
     except (EntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, HFValidationError, OSError) as e:
+        fix = (f"where there is a network run `hf download {model_id} --local-dir DIR` and pass DIR (an exported "
+               f"model folder: {EXPORT_HINT})")
         if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
             why = "not in the Hub cache and not downloaded (offline, or the Hub cannot be reached)"
         elif isinstance(e, RepositoryNotFoundError):
             why = "no such repository on the Hub (or it is private: log in with `hf auth login`)"
         elif isinstance(e, HFValidationError):
-            raise UserError(f"{model_id} is neither a folder nor a Hub repository id (owner/name); give an exported "
-                            f"model folder ({EXPORT_HINT}) or a repository id") from None
+            why = "neither a folder nor a Hub repository id (owner/name)"
+            fix = f"give an exported model folder ({EXPORT_HINT}) or a repository id"
         else:
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
-        raise UserError(f"cannot load {model_id}: {why}; where there is a network run `hf download {model_id} "
-                        f"--local-dir DIR` and pass DIR (an exported model folder: {EXPORT_HINT})") from None
+        raise UserError(f"cannot load {model_id}: {why}; {fix}") from None
 
 
 def refuse_missing_folder(model_id) -> None:
