@@ -15,6 +15,9 @@ from tread_diffusers.flux_families import pack  # noqa: F401  (FLUX's packing, f
 from tread_utils.errors import UserError
 
 CLASS_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+# torch.compile's modes the commands offer for compiled blocks (reduce-overhead: CUDA graphs,
+# tread_diffusers.compile.CompiledSteps)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 class FixedTextEncoder(nn.Module):
@@ -90,23 +93,31 @@ def step_flops(model, batch) -> int:
     return counter.get_total_flops()
 
 
-def training_step(model, batch_fn, optimizer):
-    """One training step as a closure: the flow-matching loss on a new batch, backward, the optimizer's step."""
+def training_step(model, batch_fn, optimizer, run=None):
+    """One training step as a closure: the flow-matching loss on a new batch, backward, the optimizer's step; run
+    by `run` where given (tread_diffusers.compile.CompiledSteps: compiled blocks, CUDA graphs' steps)."""
     def step():
-        torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graphs (compile mode reduce-overhead)
         optimizer.zero_grad(set_to_none=True)
         flow_matching_loss(model, *batch_fn()).backward()
         optimizer.step()
-    return step
+    return step if run is None else lambda: run(step)
 
 
-def routed_vs_unrouted(model, routes, batch_fn, optimizer, rounds: int = 5, steps: int = 3, flops=None) -> dict:
+def peak_memory(timing: dict) -> str:
+    """routed_vs_unrouted's peak memory as a log line says it."""
+    return "none (a CPU)" if timing["peak_mem_mb"] is None else f"{timing['peak_mem_mb']:.0f} MB"
+
+
+def routed_vs_unrouted(model, routes, batch_fn, optimizer, rounds: int = 5, steps: int = 3, flops=None,
+                       run=None) -> dict:
     """Median step time (forward, backward, optimizer step) routed and unrouted, alternating `rounds` blocks of
     `steps` steps each so both see the same machine load, with the FLOP bound unrouted / routed. On a GPU each
-    step ends with a synchronisation: its time is the GPU's or the host's, whichever is longer. `flops`
-    ({False: unrouted, True: routed}) skips the counting (a compiled model's counts are its eager ones)."""
+    step ends with a synchronisation: its time is the GPU's or the host's, whichever is longer; `peak_mem_mb` is
+    the most memory allocated on it from the first warm-up step on (None on a CPU). `flops` ({False: unrouted,
+    True: routed}) skips the counting (a compiled model's counts are its eager ones). `run`: training_step's."""
     cuda = next(model.parameters()).is_cuda
-    step = training_step(model, batch_fn, optimizer)
+    step = training_step(model, batch_fn, optimizer, run)
+    warmups = 2 if getattr(run, "graphs", False) else 1  # CUDA graph trees record a graph at its second call
 
     def one_step():
         step()
@@ -116,23 +127,26 @@ def routed_vs_unrouted(model, routes, batch_fn, optimizer, rounds: int = 5, step
     model.train()
     counted, times = dict(flops or {}), {True: [], False: []}
     for routed in (False, True):
-        handle = apply_tread(model, routes) if routed else None
-        if routed not in counted:
+        if routed not in counted:  # eager, before the memory is measured
+            handle = apply_tread(model, routes) if routed else None
             counted[routed] = step_flops(model, batch_fn())
-        one_step()  # warm-up
-        if handle:
-            handle.remove()
-    for _ in range(rounds):
+            if handle:
+                handle.remove()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for count, timed in ((warmups, False), *[(steps, True)] * rounds):
         for routed in (False, True):
             handle = apply_tread(model, routes) if routed else None
-            for _ in range(steps):
+            for _ in range(count):
                 start = time.perf_counter()
                 one_step()
-                times[routed].append(time.perf_counter() - start)
+                if timed:
+                    times[routed].append(time.perf_counter() - start)
             if handle:
                 handle.remove()
     unrouted, routed = statistics.median(times[False]), statistics.median(times[True])
     bound, speedup = counted[False] / counted[True], unrouted / routed
     return dict(unrouted_step_s=unrouted, routed_step_s=routed, speedup=speedup, flops_unrouted=counted[False],
                 flops_routed=counted[True], flop_bound=bound, speedup_vs_bound=speedup / bound,
-                timed_steps_each=rounds * steps)
+                timed_steps_each=rounds * steps,
+                peak_mem_mb=torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else None)

@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 from data.digits import load_digits_split
-from tools.diffusers_toy import FixedTextEncoder, flow_matching_loss, pack, random_flux, routed_vs_unrouted
-from tread_diffusers import apply_tread, compile_blocks
+from tools.diffusers_toy import (COMPILE_MODES, FixedTextEncoder, flow_matching_loss, pack, peak_memory,
+                                 random_flux, routed_vs_unrouted)
+from tread_diffusers import apply_tread
+from tread_diffusers.compile import CompiledSteps
 from tread_utils.cli import ArgumentParser
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.precision import avoid_faulting_attention
@@ -74,16 +76,21 @@ def add_lora(transformer, rank: int):
 
 
 @torch.no_grad()
-def eval_loss(transformer, latents, text, pooled) -> float:
-    """Unrouted (eval mode) loss on held-out digits with fixed noise and t: comparable across calls."""
+def eval_loss(transformer, latents, text, pooled, run=None) -> float:
+    """Unrouted (eval mode) loss on held-out digits with fixed noise and t: comparable across calls. Each batch's
+    forward goes through `run` where given (CompiledSteps: a step of CUDA graphs too)."""
     transformer.eval()
     state = torch.get_rng_state()
     torch.manual_seed(1234)
-    loss = sum(flow_matching_loss(transformer, *batch).item()
-               for batch in zip(latents.split(64), text.split(64), pooled.split(64))) / len(latents.split(64))
+    batches = list(zip(latents.split(64), text.split(64), pooled.split(64)))
+    losses = [(run or _call)(lambda: flow_matching_loss(transformer, *batch).item()) for batch in batches]
     torch.set_rng_state(state)
     transformer.train()
-    return loss
+    return sum(losses) / len(losses)
+
+
+def _call(step):
+    return step()
 
 
 class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
@@ -111,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and routes: a checkpoint goes inside the blocks' graphs)")
     p.add_argument("--compile-backend", default="inductor",
                    help="--compile: torch.compile's backend (aot_eager: traced and partitioned, no code generated)")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="--compile: torch.compile's mode for the blocks, inductor's (reduce-overhead: CUDA graphs on a "
+                        "GPU; where they fail, one line says so and training goes on without them)")
     p.add_argument("--pretrained", default=None, help="local diffusers folder (transformer/, vae/); without it, "
                                                       "a small random FLUX architecture")
     p.add_argument("--eval-samples", type=int, default=128, help="held-out digits in the evaluation loss")
@@ -131,6 +141,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.resolution % 2:
         raise UserError("--steps and --batch-size must be positive and --resolution even")
+    if args.compile_mode != "default" and not (args.compile and args.compile_backend == "inductor"):
+        raise UserError(f"--compile-mode {args.compile_mode} is a mode of inductor's compiled blocks; add --compile "
+                        f"and keep --compile-backend inductor")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no CUDA GPU; give --device cpu")
     try:
@@ -172,30 +185,39 @@ def main(argv=None):
         f"LoRA rank {args.rank}: {sum(p.numel() for p in trainable) / 1e6:.3f}M trained), tokens "
         f"{latents.shape[1] if latents.ndim == 3 else latents[0, 0].numel() // 4}, batch {args.batch_size}, "
         f"routes {routes['routes']}, gradient checkpointing {args.gradient_checkpointing}, compiled blocks "
-        f"{args.compile}, "
-        f"torch threads {torch.get_num_threads()}")
+        f"{args.compile}{f' (mode {args.compile_mode})' if args.compile else ''}, torch threads "
+        f"{torch.get_num_threads()}")
     log(f"step 0: eval loss (unrouted, held-out) {eval_loss(transformer, test_latents, *test_text):.4f}")
     handle = apply_tread(transformer, routes)
-    if args.compile:
-        compile_blocks(transformer, backend=args.compile_backend)
+    # static shapes: the route's ratio is fixed, so is its kept count
+    run = CompiledSteps(transformer, report=log, backend=args.compile_backend, mode=args.compile_mode,
+                        dynamic=False) if args.compile else None
     transformer.train()
-    losses, start = [], time.perf_counter()
-    for step in range(1, args.steps + 1):
+
+    def train_step(drawn):
         optimizer.zero_grad(set_to_none=True)
-        loss = flow_matching_loss(transformer, *batch())
+        loss = flow_matching_loss(transformer, *drawn)
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
+        return loss.item()
+
+    losses, start = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        drawn = batch()  # outside the step: a step run again (CompiledSteps) trains on the same digits
+        losses.append((run or _call)(lambda: train_step(drawn)))
         if step % args.log_every == 0 or step == args.steps:
             recent = losses[-args.log_every:]
             log(f"step {step}: train loss {sum(recent) / len(recent):.4f} ({time.perf_counter() - start:.0f} s)")
     handle.remove()
-    log(f"step {args.steps}: eval loss (unrouted, held-out) {eval_loss(transformer, test_latents, *test_text):.4f}")
-    timing = routed_vs_unrouted(transformer, routes, batch, optimizer, rounds=args.time_rounds, steps=args.time_steps)
+    final = eval_loss(transformer, test_latents, *test_text, run=run)
+    log(f"step {args.steps}: eval loss (unrouted, held-out) {final:.4f}")
+    timing = routed_vs_unrouted(transformer, routes, batch, optimizer, rounds=args.time_rounds, steps=args.time_steps,
+                                run=run)
     log(f"step time: unrouted {timing['unrouted_step_s'] * 1e3:.0f} ms, routed {timing['routed_step_s'] * 1e3:.0f} ms "
         f"(medians of {timing['timed_steps_each']} steps each, alternating); speed-up {timing['speedup']:.3f}x, "
         f"FLOP bound {timing['flop_bound']:.3f}x ({timing['flops_unrouted'] / 1e9:.2f} / "
-        f"{timing['flops_routed'] / 1e9:.2f} GFLOP per step), speed-up / bound {timing['speedup_vs_bound']:.3f}")
+        f"{timing['flops_routed'] / 1e9:.2f} GFLOP per step), speed-up / bound {timing['speedup_vs_bound']:.3f}; "
+        f"peak memory {peak_memory(timing)}")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     return timing
