@@ -7,13 +7,14 @@
 #       (CI runs it; the paper code only where PAPER_CODE names it)
 # Rows, with the targets they measure and the seconds they are estimated to take on one H100/H200, compilation
 # included (the H200 run in docs/perf/h200_check, rounded up; flux's and xl2's from the H100 run in
-# docs/perf/h100_flux_check: 149, 197 and 252 s; flux then had one compiled row, it has two now); the estimate
-# decides whether a row starts, and a row may run to twice it:
+# docs/perf/h100_flux_check: 149, 197 and 252 s; flux then had one compiled row; its two now, batch 1 and 2,
+# compile about as much as the two of batch 1 it had since (checkpoint around and inside the graphs) and record
+# CUDA graphs besides: not yet timed); the estimate decides whether a row starts, and a row may run to twice it:
 #   flux   240  the FLUX.1-dev LoRA fine-tune step (11.9 B parameters, bf16, 4,096 image + 512 text tokens, LoRA
 #               r16, gradient checkpointing, default attention settings): routed / unrouted against the FLOP bound
-#               eager at batch 1 and 2, then each block compiled at batch 1, the checkpoint around the compiled
-#               blocks and inside their graphs, one routed step of each profiled (lab.bench_diffusers --flux-lora
-#               full)
+#               and peak memory, eager at batch 1 and 2, then each block compiled with CUDA graphs (reduce-overhead,
+#               the checkpoint inside the graphs) at batch 1 and 2, one routed step of each profiled
+#               (lab.bench_diffusers --flux-lora full)
 #   xl2    240  DiT-XL/2, batch 256 as 2 x 128, bf16, each block compiled (train.compile_scope=blocks, as the paper
 #               code compiles): `dit` (MFU) and `tread` 2 -> 24 at 0.5 (speed-up against the FLOP bound), then the
 #               paper code's two (ours / theirs, peak memory); one profiled step of each of ours; warm-up times
@@ -90,7 +91,7 @@ else
   FID=(--fid-samples 5000 --fid-steps 40 --fid-batch 256)
   SUITE=(--suite-samples 50000 --suite-ref 10000 --suite-batch 250)
   PYTEST_CUDA=()
-  FLUX=(--flux-lora full --batch-sizes 1 2 --compile both --checkpoint-outside --profile --rounds 3 --steps 2)
+  FLUX=(--flux-lora full --batch-sizes 1 2 --compile both --compile-mode reduce-overhead --profile --rounds 3 --steps 2)
   TRAIN=(train.max_steps=200 train.compile=true)
   STUDY=(-- train.compile=true train.cpu_threads=2)
 fi
