@@ -9,7 +9,9 @@
 # included (the H200 run in docs/perf/h200_check, rounded up; flux's and xl2's from the H100 run in
 # docs/perf/h100_flux_check: 149, 197 and 252 s; flux then had one compiled row; its two now, batch 1 and 2,
 # compile about as much as the two of batch 1 it had since (checkpoint around and inside the graphs) and record
-# CUDA graphs besides: not yet timed); the estimate decides whether a row starts, and a row may run to twice it:
+# CUDA graphs besides: not yet timed; b2, cuda and train raised to what an H200 run of 2026-11-28 took, whose
+# files were not kept: b2 cut off at 173 s with its last stage left, cuda 129 s, train 61 s; docs/performance.md
+# has the table); the estimate decides whether a row starts, and a row may run to twice it:
 #   flux   240  the FLUX.1-dev LoRA fine-tune step (11.9 B parameters, bf16, 4,096 image + 512 text tokens, LoRA
 #               r16, gradient checkpointing, default attention settings): routed / unrouted against the FLOP bound
 #               and peak memory, eager at batch 1 and 2, then each block compiled with CUDA graphs (reduce-overhead,
@@ -20,11 +22,11 @@
 #               paper code's two (ours / theirs, peak memory); one profiled step of each of ours; warm-up times
 #   xl2model 260 as xl2, ours alone, compiled as a whole model (train.compile_scope=model): the step time and
 #               warm-up that block compilation is compared with
-#   b2     150  DiT-B/2, batch 256, bf16: ours compiled against the paper code as published, profiled likewise
+#   b2     190  DiT-B/2, batch 256, bf16: ours compiled against the paper code as published, profiled likewise
 #   fid    130  in-training FID-5K of DiT-B/2: 40 Heun steps, SD-VAE decode, Inception, FID, each stage timed
-#   cuda   100  pytest -n 0 -m cuda
+#   cuda   130  pytest -n 0 -m cuda
 #   suite  300  the ADM suite on 50,000 samples against 10,000 references: time and peak host memory
-#   train   60  compiled routed training on the digits, 200 steps, an evaluation at step 100: recompiles, graphs
+#   train   70  compiled routed training on the digits, 200 steps, an evaluation at step 100: recompiles, graphs
 #   xl2bf16 200  as xl2, ours alone, with the block after the route in bf16 (model.params.fp32_after_route=false):
 #               the speed-up against the FLOP bound without the authors' float32 block
 #   study256 240 dit against tread on the digits at 256 tokens (patch 1), seeds 0-2, 3,000 steps, the six runs side
@@ -38,7 +40,7 @@
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
 ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256)
-declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=150 [fid]=130 [cuda]=100 [suite]=300 [train]=60 [xl2bf16]=200
+declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=190 [fid]=130 [cuda]=130 [suite]=300 [train]=70 [xl2bf16]=200
                      [study256]=240)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \

@@ -166,7 +166,7 @@ def test_the_256_token_study_trains_dit_and_tread_at_patch_1_and_archives_them(t
 
 
 def test_a_row_that_no_longer_fits_the_budget_is_skipped_and_the_next_runs(tmp_path):
-    proc, out = dry_run(tmp_path, "suite", "train", "--budget", "150")  # suite: 300 s estimated, train: 60
+    proc, out = dry_run(tmp_path, "suite", "train", "--budget", "150")  # suite: 300 s estimated, train: 70
     assert proc.returncode == 0, proc.stderr
     ran = rows_run(out)
     assert ran["suite"].startswith("skipped, estimated 300 s and ") and ran["train"].startswith("rc 0 ")
