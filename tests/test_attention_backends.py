@@ -182,3 +182,12 @@ def test_a_diffusers_refusal_is_one_line(monkeypatch):
 ])
 def test_the_cudnn_decision_by_version(capability, torch_version, cudnn, faults):
     assert cudnn_attention_faults(torch_version, cudnn, capability) is faults
+
+
+def test_finetune_lora_checks_its_attention_backend_before_building_anything():
+    from tools import finetune_lora
+
+    with pytest.raises(UserError, match="--attention=flash4 runs on a CUDA GPU of sm90 or newer and this process "
+                                        "runs on the cpu") as err:
+        finetune_lora.main(["--attention", "flash4", "--device", "cpu"])
+    assert "\n" not in str(err.value)

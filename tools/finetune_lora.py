@@ -29,6 +29,8 @@ from tools.diffusers_toy import (COMPILE_MODES, FixedTextEncoder, flow_matching_
                                  random_flux, routed_vs_unrouted)
 from tread_diffusers import apply_tread
 from tread_diffusers.compile import CompiledSteps
+from tread_utils.attention import BACKENDS as ATTENTION_BACKENDS, DEFAULT as DEFAULT_ATTENTION
+from tread_utils.attention import check_attention, use_diffusers_attention
 from tread_utils.cli import ArgumentParser
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.precision import avoid_faulting_attention
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of the batch draws (and of the random architecture's weights and noise)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the transformer trains")
+    p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default=DEFAULT_ATTENTION,
+                   help="the transformer's attention kernels, as train.attention (diffusers' backend each maps to; "
+                        "docs/performance.md, Attention backends)")
     p.add_argument("--keep-cudnn-attention", action="store_true",
                    help="keep cuDNN's fused attention where its backward is known to fault (by default it is "
                         "turned off there, said in one line)")
@@ -151,6 +156,7 @@ def main(argv=None):
     except ImportError:
         raise UserError('LoRA needs peft, which the lora extra installs: pip install -e ".[lora]"') from None
     device = torch.device(args.device)
+    check_attention(args.attention, "--attention", device, package=False)  # before anything is built
     torch.set_num_threads(args.threads)
     lines = []
 
@@ -163,6 +169,9 @@ def main(argv=None):
     if attention:
         log(attention)
     transformer, encode = build(args, device)
+    attention = use_diffusers_attention(transformer, args.attention, "--attention", device)
+    if attention:
+        log(attention)
     text_encoder = FixedTextEncoder(transformer.config.joint_attention_dim,
                                     transformer.config.pooled_projection_dim).to(device)
     trainable = add_lora(transformer, args.rank)
