@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from lab.bench_flux_lora import flux_lora_rows
-from tools.diffusers_toy import routed_vs_unrouted
+from tools.diffusers_toy import COMPILE_MODES, routed_vs_unrouted
 from tread_diffusers.families import FAMILIES
 from tread_diffusers.tread import apply_tread  # noqa: F401  (importing registers every family)
 from tread_utils.errors import UserError, report_user_errors
@@ -145,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                    help="--flux-lora: batch sizes (default: 1 2 full, 1 proxy)")
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,
-                   help="--flux-lora: eager, compiled blocks (at the first batch size) or both (default: both full, off proxy)")
+                   help="--flux-lora: eager, compiled blocks (at every batch size) or both (default: both full, off proxy)")
     p.add_argument("--checkpoint-outside", action="store_true",
-                   help="--flux-lora: time the compiled blocks with the gradient checkpoint around them too (before the "
-                        "row with it inside their graphs)")
-    p.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                   help="--flux-lora: time the compiled blocks with the gradient checkpoint around them too (a last row, "
+                        "after those with it inside their graphs)")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES,
                    default="default", help="--flux-lora: torch.compile's mode for the blocks (reduce-overhead: CUDA "
                                            "graphs on a GPU)")
     p.add_argument("--profile", action="store_true",
