@@ -311,7 +311,7 @@ def write_study(parts, runs, out, sources, replaced=()):
             cost_alone += step_cost(part, clocked)
             continue
         lines += [f"## {part}", ""]
-        for x_index in (0, 1):
+        for x_index in (0, 1) if clocked else (0,):  # every run --untimed: no wall-clock plot
             stem = plot_part(part, groups if x_index == 0 else clocked, out, x_index, colours)
             lines += [f"![{part} against {'step' if x_index == 0 else 'wall-clock'}]({stem}.png)", ""]
         base = next(((n, g) for n, g in groups.items() if g[0]["baseline"] and not g[0]["route_list"]), None) or \

@@ -474,6 +474,9 @@ def test_untimed_runs_are_compared_per_step_only(tmp_path):
     time_svg = (untimed / "study_compare_vs_time.svg").read_text()
     assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" not in time_svg and "dit (3 seed(s))" in time_svg
     assert "tread 2-&gt;8 @ 0.5 (3 seed(s))" in (untimed / "study_compare_vs_step.svg").read_text()
+    run_script("lab.study_report", root, "--out", tmp_path / "none", "--untimed", "*", check=True)
+    assert (tmp_path / "none" / "study_compare_vs_step.png").is_file()  # every run untimed: no empty clock plot
+    assert not (tmp_path / "none" / "study_compare_vs_time.png").exists()
 
 
 def test_runs_that_differ_only_in_the_selection_rule_are_configurations_of_their_own(tmp_path):

@@ -46,3 +46,15 @@ def test_a_bad_archive_is_one_line(tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and "\n" not in err and "TOKENS=FOLDER" in err
+
+
+def test_the_committed_tables_are_the_archives_table(monkeypatch):
+    """docs/results/tokens.md and the by-token-count table of docs/results.md are what the documented command
+    gives on the committed archives."""
+    monkeypatch.chdir(ROOT)  # the command's paths, relative to the checkout
+    text = "\n".join(token_table.table([(16, Path("docs/results/runs")), (64, Path("docs/results/tokens64/runs"))]))
+    rows = [line for line in text.split("\n") if line.startswith("| 16 |") or line.startswith("| 64 |")]
+    assert len(rows) == 8
+    assert (ROOT / "docs/results/tokens.md").read_text() == text
+    section = (ROOT / "docs/results.md").read_text().split("## 6. By token count")[1].split("\n## ")[0]
+    assert [line for line in section.split("\n") if line.startswith(("| 16 |", "| 64 |"))] == rows
