@@ -110,11 +110,15 @@ def parse_archive(text):
     return int(tokens), Path(folder)
 
 
-def main(argv=None):
+def build_parser():
     parser = ArgumentParser(prog="python -m lab.token_table", description=__doc__.split("\n\n")[0])
     parser.add_argument("archives", nargs="+", type=parse_archive, metavar="TOKENS=FOLDER")
     parser.add_argument("--out", default=None, help="write the table to this markdown file too")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     text = "\n".join(table(sorted(args.archives)))
     print(text)
     if args.out:
