@@ -63,9 +63,10 @@ TF_GRAPH_ENV = "TREAD_INCEPTION_GRAPH"
 # Reference / sample inspection (cheap: validates before any network is built)
 # --------------------------------------------------------------------------------------------
 def _check_stat_array(path, name, arr, dims):
-    if arr.dtype.kind not in "fiu" or not np.isfinite(arr).all():
-        raise UserError(f"{path} '{name}' " + (f"has dtype {arr.dtype}, expected a float array"
-                                               if arr.dtype.kind not in "fiu" else "contains NaN or inf values"))
+    problem = (f"has dtype {arr.dtype}, expected a float array" if arr.dtype.kind not in "fiu" else
+               None if np.isfinite(arr).all() else "contains NaN or inf values")
+    if problem:
+        raise UserError(f"{path} '{name}' {problem}")
     if dims is not None:
         want = (dims,) if name.startswith("mu") else (dims, dims)
         if arr.shape != want:

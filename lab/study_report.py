@@ -145,6 +145,11 @@ def pm(mean, std):
     return "-" if mean is None else cell(mean) + (f" ± {cell(std)}" if std is not None else "")
 
 
+def pm_of(values):
+    """mean ± sample std of `values` as a cell ('-' for none, no ± for one)."""
+    return pm(statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None) if values else "-"
+
+
 def welch_section(rows):
     lines = []
     for key in dict.fromkeys((r[0], r[1], r[2]) for r in rows):
@@ -193,7 +198,7 @@ def equal_time_rows(part, groups):
                                 if metric == "step" or e[metric] is not None)
                 if points and points[0][0] <= at <= points[-1][0]:
                     vals.append(float(np.interp(at, *zip(*points))))
-            cells.append(pm(statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else None) if vals else "-")
+            cells.append(pm_of(vals))
         rows.append(cells)
     return rows
 
@@ -232,7 +237,7 @@ def equal_cost_rows(part, groups, rates):
             vals = [float(np.interp(step, *zip(*sorted((s, e[metric]) for s, e in r["evals"].items()
                                                           if e[metric] is not None))))
                     for r in members if r["evals"] and min(r["evals"]) <= step <= max(r["evals"])]
-            cells.append(pm(statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else None) if vals else "-")
+            cells.append(pm_of(vals))
         rows.append([part, name, f"{rates[name]:.3g}", f"{at / 60:.1f}", f"{step:.0f}", *cells])
     return rows
 

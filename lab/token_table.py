@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from lab.study_report import ALONE, TESTED, configurations, evaluations, pm
+from lab.study_report import ALONE, TESTED, configurations, evaluations, pm_of
 from tools.report import cell, load_runs, md_table
 from tread_utils.cli import ArgumentParser
 from tread_utils.errors import exit_with
@@ -74,8 +74,7 @@ def row(tokens, where, groups, dit_step, tread_step):
         a = [v for r in groups["dit"] if (v := at_step(r, dit_step, metric)) is not None]
         b = [v for r in groups["tread"] if (v := at_step(r, tread_step, metric)) is not None]
         p = welch(a, b)
-        cells += [pm(statistics.mean(a), statistics.stdev(a) if len(a) > 1 else None) if a else "-",
-                  pm(statistics.mean(b), statistics.stdev(b) if len(b) > 1 else None) if b else "-",
+        cells += [pm_of(a), pm_of(b),
                   cell(statistics.mean(b) - statistics.mean(a)) if a and b else "-", "-" if p is None else f"{p:.3g}"]
     return cells
 
