@@ -106,15 +106,18 @@ def to_markdown(record: dict) -> str:
     lines = [f"Command: `{record['command']}`", "",
              f"Machine: {record['machine']}", "",
              "| model | params (M) | blocks | image tokens | batch | unrouted step (ms) | routed step (ms) | speed-up | "
-             "FLOP bound | speed-up / bound |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "FLOP bound | speed-up / bound | peak memory (MB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         model = f"{r['arch']}, {r['base']}" if "base" in r else r["arch"]
         model += {True: ", compiled blocks", False: ", eager"}.get(r.get("compiled"), "")
         model += ", checkpoint around them" if r.get("compiled") and r.get("checkpoint") == "around blocks" else ""
         model += f", mode {r['compile_mode']}" if r.get("compile_mode", "default") != "default" else ""
+        # a GPU row in reduce-overhead mode: its steps replayed CUDA graphs, or fell back without them
+        model += ", CUDA graphs" if r.get("cuda_graphs") else ", CUDA graphs failed" * ("cuda_graphs_failure" in r)
+        peak = "-" if r.get("peak_mem_mb") is None else f"{r['peak_mem_mb']:.0f}"  # None: a CPU
         lines.append(f"| {model} | {r['params_m']:.1f} | {r['blocks']} | {r['tokens']} | {r['batch']} | "
                      f"{r['unrouted_step_s'] * 1e3:.0f} | {r['routed_step_s'] * 1e3:.0f} | {r['speedup']:.3f}x | "
-                     f"{r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f} |")
+                     f"{r['flop_bound']:.3f}x | {r['speedup_vs_bound']:.3f} | {peak} |")
     profiled = [(i, r["profile_routed"]) for i, r in enumerate(record["rows"], 1) if "profile_routed" in r]
     lines += [""] * bool(profiled) + [
         f"Row {i}, one routed step profiled: kernels busy {p['busy_ms']:.0f} ms against the timed "

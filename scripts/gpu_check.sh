@@ -21,7 +21,8 @@
 #               code compiles): `dit` (MFU) and `tread` 2 -> 24 at 0.5 (speed-up against the FLOP bound), then the
 #               paper code's two (ours / theirs, peak memory); one profiled step of each of ours; warm-up times
 #   xl2model 260 as xl2, ours alone, compiled as a whole model (train.compile_scope=model): the step time and
-#               warm-up that block compilation is compared with
+#               warm-up that block compilation is compared with, and one profiled step of each, whose kernel time by
+#               category against xl2's says where the whole-model graph's `tread` step gains
 #   b2     190  DiT-B/2, batch 256, bf16: ours compiled against the paper code as published, profiled likewise
 #   fid    130  in-training FID-5K of DiT-B/2: 40 Heun steps, SD-VAE decode, Inception, FID, each stage timed
 #   cuda   130  pytest -n 0 -m cuda
@@ -133,7 +134,7 @@ training_row() {  # training_row ROW BACKBONE MICRO_BATCH [BENCH_ARGS...]: dit, 
 xl2() { training_row xl2 $XL2 $MICRO --compile-scope blocks; }
 xl2model() {
   bench xl2model --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
-    --compile-scope model --sections training
+    --compile-scope model --profile --sections training
 }
 flux() { run_row flux $PY -m lab.bench_diffusers "${FLUX[@]}" --out "$OUT_DIR/flux.json"; }
 b2() { training_row b2 $B2 $BATCH; }

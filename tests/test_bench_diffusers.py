@@ -119,3 +119,20 @@ def test_flux_lora_compile_flags_need_compiled_blocks(flag):
     with pytest.raises(UserError, match=f"{flag[0]} applies to compiled blocks; add --compile on") as err:
         bench_diffusers.main(["--flux-lora", "proxy", "--compile", "off", *flag])
     assert "\n" not in str(err.value)
+
+
+def test_table_gives_peak_memory_and_whether_cuda_graphs_replayed():
+    """A GPU record's rows: their peak memory, and in reduce-overhead mode whether the steps replayed CUDA graphs
+    or fell back (the failure line recorded); a CPU row's memory is a dash."""
+    row = dict(arch="flux", params_m=11901.4, blocks=57, tokens=4096, batch=1, unrouted_step_s=0.532,
+               routed_step_s=0.315, speedup=1.689, flop_bound=1.942, speedup_vs_bound=0.870)
+    rows = [dict(row, compiled=True, compile_mode="reduce-overhead", cuda_graphs=True, peak_mem_mb=41234.6),
+            dict(row, compiled=True, compile_mode="reduce-overhead", cuda_graphs=False,
+                 cuda_graphs_failure="CUDA graphs failed: ...", peak_mem_mb=40001.0),
+            dict(row, compiled=True, compile_mode="reduce-overhead", cuda_graphs=False, peak_mem_mb=None)]
+    lines = bench_diffusers.to_markdown(dict(command="c", machine="m", rows=rows)).splitlines()[4:]
+    assert lines[0].endswith("| speed-up / bound | peak memory (MB) |")
+    assert lines[2].startswith("| flux, compiled blocks, mode reduce-overhead, CUDA graphs |")
+    assert lines[2].endswith("| 0.870 | 41235 |")
+    assert lines[3].startswith("| flux, compiled blocks, mode reduce-overhead, CUDA graphs failed |")
+    assert lines[4].startswith("| flux, compiled blocks, mode reduce-overhead |") and lines[4].endswith("| - |")

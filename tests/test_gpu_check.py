@@ -123,6 +123,7 @@ def test_the_model_scope_and_bf16_rows_are_xl2_with_one_bench_option_each(tmp_pa
     xl2, model, bf16 = bench["xl2.json"], bench["xl2model.json"], bench["xl2bf16.json"]
     differs = lambda a, b: {k for k in a if a[k] != b[k] and k not in ("out", "paper_code", "paper_modes", "profile")}
     assert (xl2["compile_scope"], model["compile_scope"]) == ("blocks", "model") and differs(xl2, model) == {"compile_scope"}
+    assert xl2["profile"] and model["profile"]  # kernel time by category in both scopes: where the whole graph gains
     assert bf16["fp32_after_route"] == "off" and differs(xl2, bf16) == {"fp32_after_route", "compile_scope"}
 
 
