@@ -23,7 +23,8 @@
 #   xl2model 260 as xl2, ours alone, compiled as a whole model (train.compile_scope=model): the step time and
 #               warm-up that block compilation is compared with, and one profiled step of each, whose kernel time by
 #               category against xl2's says where the whole-model graph's `tread` step gains
-#   b2     190  DiT-B/2, batch 256, bf16: ours compiled against the paper code as published, profiled likewise
+#   b2     190  DiT-B/2, batch 256, bf16: as xl2 (each block compiled, the paper code's as published, ours profiled)
+#               at batch 256 in one micro-batch; its whole-model numbers are the H200 run's (docs/perf/h200_check)
 #   fid    130  in-training FID-5K of DiT-B/2: 40 Heun steps, SD-VAE decode, Inception, FID, each stage timed
 #   cuda   130  pytest -n 0 -m cuda
 #   suite  300  the ADM suite on 50,000 samples against 10,000 references: time and peak host memory
@@ -137,7 +138,7 @@ xl2model() {
     --compile-scope model --profile --sections training
 }
 flux() { run_row flux $PY -m lab.bench_diffusers "${FLUX[@]}" --out "$OUT_DIR/flux.json"; }
-b2() { training_row b2 $B2 $BATCH; }
+b2() { training_row b2 $B2 $BATCH --compile-scope blocks; }
 xl2bf16() {
   bench xl2bf16 --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
     --fp32-after-route off --sections training

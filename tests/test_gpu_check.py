@@ -80,48 +80,48 @@ def check_rows(proc, out, expected):
 
 
 def test_training_rows_time_ours_and_the_paper_code_and_profile_ours(tmp_path):
-    proc, out = dry_run(tmp_path, "flux", "xl2", "b2", PAPER_CODE=str(write_paper_repo(tmp_path / "paper")))
-    check_rows(proc, out, ["flux", "xl2", "b2"])
+    proc, out = dry_run(tmp_path, "flux", "xl2", PAPER_CODE=str(write_paper_repo(tmp_path / "paper")))
+    check_rows(proc, out, ["flux", "xl2"])
     flux = json.loads((out / "flux.json").read_text())  # the FLUX.1-dev LoRA row: its host-cost proxy on a CPU
     assert [(r["blocks"], r["compiled"]) for r in flux["rows"]] == [(57, False)] and flux["rows"][0]["flop_bound"] > 1
-    # xl2 times ours compiled block by block, as the paper code, each with its warm-up (compilation) time
-    ours = {"xl2": [("ours", "blocks", "dit"), ("ours", "blocks", "tread")],
-            "b2": [("ours", "model", "dit"), ("ours", "model", "tread")]}
-    for name, micro_batch in (("xl2", 2), ("b2", 4)):
-        record = json.loads((out / f"{name}.json").read_text())
-        rows = record["training"]
-        assert [(r["code"], r["compile_scope"], r["model"]) for r in rows] == ours[name] + [
-            ("paper", "blocks", "dit"), ("paper", "blocks", "tread")]
-        assert [r["mode"] for r in rows] == ["compiled"] * len(ours[name]) + ["published"] * 2
-        assert record["dtype"] == "bf16" and all(r["micro_batch"] == micro_batch and r["batch"] == 4 for r in rows)
-        assert all(r["graphs"] > 0 and r["warmup_s"] > 0 for r in rows if r["code"] == "ours")
-        if name == "xl2":  # 12 blocks share one graph, routed: the full, the routed and the float32 block's shapes;
-            assert [r["graphs"] for r in rows[:2]] == [2, 4]  # and the final layer's
-        for r in rows:
-            assert ("profile" in r) == (r["code"] == "ours")
-        profile = rows[1]["profile"]
-        assert profile["ms_by_category"]["matmul"] > 0 and profile["top"]
-        assert profile["host_syncs"] is None and profile["fp32_kernel_ms"] is None  # GPU-only readings
-        assert not (out / f"{name}.md").exists()  # the tables are in the log
+    # xl2 times ours compiled block by block, as the paper code, each with its warm-up (compilation) time (b2 runs
+    # the same with its own sizes: the next test reads its command)
+    record = json.loads((out / "xl2.json").read_text())
+    rows = record["training"]
+    assert [(r["code"], r["compile_scope"], r["model"]) for r in rows] == [
+        ("ours", "blocks", "dit"), ("ours", "blocks", "tread"), ("paper", "blocks", "dit"), ("paper", "blocks", "tread")]
+    assert [r["mode"] for r in rows] == ["compiled"] * 2 + ["published"] * 2
+    assert record["dtype"] == "bf16" and all(r["micro_batch"] == 2 and r["batch"] == 4 for r in rows)
+    assert all(r["graphs"] > 0 and r["warmup_s"] > 0 for r in rows if r["code"] == "ours")
+    # 12 blocks share one graph, routed: the full, the routed and the float32 block's shapes; and the final layer's
+    assert [r["graphs"] for r in rows[:2]] == [2, 4]
+    for r in rows:
+        assert ("profile" in r) == (r["code"] == "ours")
+    profile = rows[1]["profile"]
+    assert profile["ms_by_category"]["matmul"] > 0 and profile["top"]
+    assert profile["host_syncs"] is None and profile["fp32_kernel_ms"] is None  # GPU-only readings
+    assert not (out / "xl2.md").exists()  # the tables are in the log
 
 
-def test_the_model_scope_and_bf16_rows_are_xl2_with_one_bench_option_each(tmp_path):
-    """xl2model and xl2bf16 run what xl2 runs (its dry run above; b2's rows compile the whole model), each with one
-    bench option more, which the bench's own tests run (tests/test_bench_gpu_readiness.py): read here from the
-    commands the script gives a stand-in interpreter, parsed by the bench's parser."""
+def test_the_b2_model_scope_and_bf16_rows_are_xl2_with_one_bench_option_each(tmp_path):
+    """b2, xl2model and xl2bf16 run what xl2 runs (its dry run above) but for one or two bench options, which the
+    bench's own tests run (tests/test_bench_gpu_readiness.py): read here from the commands the script gives a
+    stand-in interpreter, parsed by the bench's parser."""
     from lab.bench import build_parser
 
     log, fake = tmp_path / "calls", tmp_path / "fake-python"
     fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" --- >> {log}\n')
     fake.chmod(0o755)
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "xl2", "xl2model", "xl2bf16", str(tmp_path / "o")],
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "xl2", "b2", "xl2model", "xl2bf16",
+                           str(tmp_path / "o")],
                           cwd=REPO, env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()]
     bench = {c[c.index("--out") + 1].rsplit("/", 1)[-1]: vars(build_parser().parse_args(c[2:]))
              for c in calls if c[:2] == ["-m", "lab.bench"]}
-    xl2, model, bf16 = bench["xl2.json"], bench["xl2model.json"], bench["xl2bf16.json"]
     differs = lambda a, b: {k for k in a if a[k] != b[k] and k not in ("out", "paper_code", "paper_modes", "profile")}
+    xl2, b2, model, bf16 = bench["xl2.json"], bench["b2.json"], bench["xl2model.json"], bench["xl2bf16.json"]
+    assert differs(xl2, b2) == {"micro_batch"} and b2["micro_batch"] == b2["batch_sizes"][0]  # one micro-batch
     assert (xl2["compile_scope"], model["compile_scope"]) == ("blocks", "model") and differs(xl2, model) == {"compile_scope"}
     assert xl2["profile"] and model["profile"]  # kernel time by category in both scopes: where the whole graph gains
     assert bf16["fp32_after_route"] == "off" and differs(xl2, bf16) == {"fp32_after_route", "compile_scope"}
