@@ -12,9 +12,10 @@ the band (sample std, ddof 1) and the t-test; one seed gives a line without band
 Evaluations where a run of the pair has nn_ratio < 0.8 (samples closer to training digits than
 held-out digits are) are marked "copying: comparison stopped", and so is every later evaluation.
 Runs that are unfinished, failed or without records are listed, never dropped.
-`--untimed PATTERN` (fnmatch on a run's folder name, repeatable) compares the matching runs per step only: they
-are left out of the wall-clock plots, the equal-time tables and the step cost, for runs whose clock is not
-comparable with the others' (trained later on another machine, say), and study.md names them.
+`--untimed PATTERN` (fnmatch on a run's folder name, or on PART/NAME to pick one part's, repeatable) compares the
+matching runs per step only: they are left out of the wall-clock plots, the equal-time tables and the step cost,
+for runs whose clock is not comparable with the others' (trained later on another machine, or two at a time
+beside a cost part timed alone: `--untimed 'compare/*'`), and study.md names them.
 Given compare, the ratio and platform parts borrow its configurations they lack (dit, as ratio 0 too, and tread)
 up to their own last evaluation: a ratio-0 route is the dit computation and equal seeds and settings train equal
 runs, so scripts/toy_study.sh trains only the other ratios and the successors.
@@ -330,7 +331,7 @@ def write_study(parts, runs, out, sources, replaced=()):
         lines += [f"### {part}: samples", "", *grids] if grids else []
         cost += step_cost(part, clocked)
         same_time += equal_time_rows(part, clocked)
-        same_cost += equal_cost_rows(part, clocked, rates)
+        same_cost += equal_cost_rows(part, groups, rates)  # steps and the cost part's clock: no run's own
         if part == "placement" or (len(groups) > 1 and all(len(g) == 1 for g in groups.values())):
             baseline = placement_baseline(members, runs)
             plot_routes(list(groups.items()), out, baseline, stem=f"study_{part}_routes")
@@ -348,7 +349,7 @@ def write_study(parts, runs, out, sources, replaced=()):
                   "step: the step it had reached. '-': the configuration's runs had not reached that time.", "",
                   md_table(["part", "configuration", "runs there", "minutes", "step", "FID", "class_acc"], same_time), ""]
     lines += ["## Step cost measured in these runs (median of the runs' median steps/s)", "",
-              md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost), ""]
+              md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost), ""] if cost else []
     if cost_alone:
         lines += ["## Step cost with the machine to itself (one run at a time, no evaluation; median steps/s)", "",
                   md_table(["part", "configuration", "runs", "steps/s", "over no-routing"], cost_alone), ""]
@@ -375,7 +376,8 @@ def build_parser():
     parser = report.build_parser(__doc__.split("\n")[0], "lab.study_report", "one folder of runs per part of the "
                                  "study (compare, placement, ratio)", "study.md, study.csv")
     parser.add_argument("--untimed", action="append", default=[], metavar="PATTERN",
-                        help="runs whose folder name matches (fnmatch) are compared per step only, their clock unused")
+                        help="runs whose folder name, or PART/NAME, matches (fnmatch) are compared per step only, their "
+                             "clock unused")
     return parser
 
 
@@ -391,7 +393,8 @@ def main(argv=None):
         r["untimed"] = False
         parts.setdefault(root.name, []).append(r)
     for pattern in args.untimed:
-        for r in (matched := [r for r in runs if fnmatch.fnmatchcase(r["dir"].name, pattern)]):
+        for r in (matched := [r for r in runs if fnmatch.fnmatchcase(r["dir"].name, pattern)
+                              or fnmatch.fnmatchcase(f"{r['part']}/{r['dir'].name}", pattern)]):
             r["untimed"] = True
         if not matched:
             unmatched.append(pattern)

@@ -141,8 +141,8 @@ def test_cost_part_gives_the_step_cost_alone_and_no_evaluations_are_expected_of_
     cost = tmp_path / "cost"
     write_run(cost, "global_seed=0,model=dit", "dit", evals=[], speed=2.0)
     write_run(cost, "global_seed=0,model=tread", "tread", evals=[], speed=3.0)
-    out = tmp_path / "out"
-    run_script("lab.study_report", compare_root(tmp_path), cost, "--out", out, check=True)
+    out, compare = tmp_path / "out", compare_root(tmp_path)
+    run_script("lab.study_report", compare, cost, "--out", out, check=True)
     md = (out / "study.md").read_text()
     alone = md.split("## Step cost with the machine to itself")[1]
     assert "| cost | dit | 1 | 2 | 1.00x |" in alone and "| cost | tread 2->8 @ 0.5 | 1 | 3 | 1.50x |" in alone
@@ -154,6 +154,11 @@ def test_cost_part_gives_the_step_cost_alone_and_no_evaluations_are_expected_of_
     assert f"| compare | dit | 2 | 4.2 | 500 | {study_report.pm(np.mean(dit), np.std(dit, ddof=1))} |" in equal
     assert f"| compare | tread 2->8 @ 0.5 | 3 | 4.2 | 750 | {study_report.pm(np.mean(tread), np.std(tread, ddof=1))} |" \
         in equal
+    # compare's runs trained two at a time, their clocks unused: the table at the cost part's clock stays
+    run_script("lab.study_report", compare, cost, "--out", out, "--untimed", "compare/*", check=True)
+    md = (out / "study.md").read_text()
+    assert md.split("## At equal training time, each step costing what it cost alone")[1].split("##")[0] == equal
+    assert "## Step cost measured in these runs" not in md and "## At equal training time (the fastest" not in md
 
 
 def test_one_seed_gets_no_band_and_no_p_value(tmp_path):
@@ -464,6 +469,8 @@ def test_untimed_runs_are_compared_per_step_only(tmp_path):
     run_script("lab.study_report", root, "--out", plain, check=True)
     run_script("lab.study_report", root, "--out", untimed, "--untimed", "*model=tread", check=True)
     assert study_csv(untimed) == study_csv(plain)  # the per-step comparison is unchanged
+    run_script("lab.study_report", root, "--out", tmp_path / "part", "--untimed", "compare/*=tread", check=True)
+    assert (tmp_path / "part" / "study.md").read_text() == (untimed / "study.md").read_text()  # PART/NAME too
     md, before = (untimed / "study.md").read_text(), (plain / "study.md").read_text()
     assert "| compare | tread 2->8 @ 0.5 | 3 | 30.00 | 15.00x |" in before
     assert "## At equal training time" in before  # tread's row there, and its step cost, are gone:
