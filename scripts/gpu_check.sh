@@ -33,6 +33,9 @@
 #               the speed-up against the FLOP bound without the authors' float32 block
 #   study256 240 dit against tread on the digits at 256 tokens (patch 1), seeds 0-2, 3,000 steps, the six runs side
 #               by side, archived in study256.tar.gz (lab.token_study: its docstring sizes it)
+#   xl2flash4 180 as xl2, ours alone, with FlashAttention-4 (train.attention=flash4, Hopper or newer): skipped in one
+#               line where the flash-attn-4 package is not installed (`pip install -e ".[hopper]"`; its CuTe DSL
+#               wheel is 92 MB, more than a device command carries)
 # OUT_DIR (default $OUT, else gpu_check_out) receives, as each row ends: ROW.json (the bench record, device name
 # inside), its log appended to logs.txt, and a line in summary.txt; the script's last line is the summary. At
 # most 8 files, the most one device command brings back.
@@ -41,9 +44,9 @@
 # code put github.com/CompVis/tread's dit.py and routing_module.py in .paper-code/ (git-ignored, carried;
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
-ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256)
+ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256 xl2flash4)
 declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=190 [fid]=130 [cuda]=130 [suite]=300 [train]=70 [xl2bf16]=200
-                     [study256]=240)
+                     [study256]=240 [xl2flash4]=180)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2
@@ -151,6 +154,15 @@ train() {
     run_name=gpu_check train.mixed_precision=bf16 train.logging.tensorboard=false \
     train.eval.eval_interval=100 train.ckpt_every=100 train.logging.log_interval=50 "${TRAIN[@]}"
   cp "$RES/gpu_check/metrics.jsonl" "$OUT_DIR/train_metrics.jsonl" 2> /dev/null
+}
+
+xl2flash4() {
+  if ! $PY -c "import flash_attn.cute" > /dev/null 2>&1; then
+    log "xl2flash4: skipped, the flash-attn-4 package is not installed (pip install -e \".[hopper]\")"
+    SKIPPED+=(xl2flash4); return
+  fi
+  bench xl2flash4 --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
+    --compile-scope blocks --attention flash4 --profile --sections training
 }
 
 study256() {
