@@ -51,7 +51,7 @@ from lab.bench_timing import matmul_ceiling
 from lab.bench_training import (AUTO_MICRO_BATCH, COMPILE_SCOPES, FP32_AFTER_ROUTE, bench_training, compile_model,
                                 model_params)
 from lab.paper_code import load_paper_dit
-from tread_utils.attention import BACKENDS, DEFAULT as DEFAULT_ATTENTION, use_attention
+from tread_utils.attention import BACKENDS, DEFAULT as DEFAULT_ATTENTION, FLOAT32, use_attention
 from tread_utils.errors import UserError, report_user_errors
 from tread_utils.cli import ArgumentParser, positive_int
 from tread_utils.precision import avoid_faulting_attention, precision_policy, set_precision_policy
@@ -120,6 +120,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--attention", choices=list(BACKENDS), default=DEFAULT_ATTENTION,
                         help="train.attention: the attention kernels of our model's blocks (tread_utils/attention.py; "
                              "the paper code's stay torch's choice); every row records it")
+    parser.add_argument("--attention-fp32", choices=list(FLOAT32), default=DEFAULT_ATTENTION,
+                        help="train.attention_fp32: our float32 attention's kernel (the block after a route); "
+                             "training rows record it as `attention_fp32`")
     parser.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                         help="torch.compile our backbone (`--compile` = on; `both` times eager and compiled)")
     parser.add_argument("--compile-scope", choices=sorted(COMPILE_SCOPES), default="model",
@@ -196,7 +199,7 @@ def main():
     dtype = DTYPES[args.dtype]
     set_precision_policy(args.tf32 == "on")  # the trainer's policy (train.tf32), so timings describe it
     attention = avoid_faulting_attention(args.keep_cudnn_attention, "--keep-cudnn-attention")  # as the trainer
-    kernels = use_attention(args.attention, "--attention", device)
+    kernels = use_attention(args.attention, "--attention", device, args.attention_fp32)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU ({torch.get_num_threads()} threads)"
     ceiling = matmul_ceiling(device, dtype)

@@ -162,7 +162,8 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None, save=lambda row
                                                  profile=args.profile and code == "ours")
                 row = dict(backbone=backbone, batch=batch, micro_batch=micro_batch, code=code, mode=mode,
                            compile_scope=scope, model=model_name, fp32_after_route=fp32,
-                           attention=args.attention if code == "ours" else DEFAULT_ATTENTION, **measured)
+                           attention=args.attention if code == "ours" else DEFAULT_ATTENTION,
+                           attention_fp32=args.attention_fp32 if code == "ours" else DEFAULT_ATTENTION, **measured)
                 name = (f"{backbone} batch {batch} (micro-batch {micro_batch}) {code} {mode}"
                         f"{f' ({scope})' if code == 'ours' and scope else ''} {model_name}"
                         f"{'' if fp32 is not False else ' bf16-after-route'}")

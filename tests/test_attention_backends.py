@@ -36,6 +36,8 @@ def test_the_config_rule_reads_the_registrys_names():
     assert rule.allowed == f"one of {', '.join(A.BACKENDS)}"
     assert all(rule.ok(name) for name in A.BACKENDS) and not rule.ok("flash3")
     assert A.DEFAULT in A.BACKENDS
+    rule = {f.name: f for f in dataclasses.fields(S.TrainSchema)}["attention_fp32"].metadata["rule"]
+    assert rule.allowed == "one of sdpa, math" and not rule.ok("tf32") and A.DEFAULT in A.FLOAT32
 
 
 # (heads, head dim, tokens): DiT-S/2's 64 at 256 tokens, DiT-XL/2's 72, FLUX's 128, and a routed sequence's 40
@@ -66,11 +68,70 @@ def test_the_models_attention_runs_the_selected_backend(block, monkeypatch):
                                                       -1).reshape(1, 6, 2).expand(2, 6, 2))
     expected = module(*args)
     seen = []
-    monkeypatch.setattr(A, "_selected", lambda q, k, v: seen.append(q.shape) or torch.zeros_like(q))
+    monkeypatch.setattr(A, "_float32", lambda q, k, v: seen.append(q.shape) or torch.zeros_like(q))  # float32 in
     assert torch.equal(module(*args), module.proj(torch.zeros_like(x)))
     assert seen == [(2, 2, 6, 72)]
     monkeypatch.undo()
     assert torch.equal(module(*args), expected)
+
+
+def kernels(fn, *args) -> set:
+    """The aten operators `fn(*args)` runs, by the profiler's names."""
+    with torch.profiler.profile() as prof:
+        fn(*args)
+    return {e.key for e in prof.key_averages()}
+
+
+def test_float32_attention_runs_its_own_kernel_and_half_precision_the_backends():
+    """train.attention_fp32=math: float32 inputs go to torch's math kernel (its matmuls: TF32 on CUDA under
+    train.tf32), the bf16 ones to the backend; the default leaves float32 to torch's choice (here its CPU flash)."""
+    q, k, v = torch.randn(3, 2, 2, 17, 72).unbind(0)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels(A.attention, q, k, v)
+    assert A.use_attention("flash", "train.attention", "cpu", "math") == (
+        "attention: flash, torch's FlashAttention-2 kernel for bf16/fp16; float32 attention: math, torch's math "
+        "kernel (TF32 batched matmuls on CUDA under train.tf32)")
+    ran = kernels(A.attention, q, k, v)
+    assert "aten::_scaled_dot_product_attention_math" in ran and "aten::bmm" in ran
+    assert not any("flash" in name for name in ran)
+    assert torch.allclose(A.attention(q, k, v).double(), reference(q, k, v), atol=1e-5)
+    half = [t.bfloat16() for t in (q, k, v)]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels(A.attention, *half)
+
+
+def test_compiled_float32_math_attention_stays_matmuls():
+    """Under torch.compile (inductor) the forced math kernel is traced as its batched matmuls and a softmax, forward
+    and backward: inductor's pattern matcher, which fuses a written-out attention back into SDPA, leaves it so."""
+    from torch._inductor.utils import run_and_get_code
+
+    A.use_attention("sdpa", "train.attention", "cpu", "math")
+    q, k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(A.attention)
+    _, codes = run_and_get_code(lambda: compiled(q, k, v).sum().backward())
+    calls = [line for code in codes for line in code.splitlines() if not line.strip().startswith("#")]
+    assert sum("bmm(" in line for line in calls) >= 6  # 2 forward, 4 backward
+    assert not any("scaled_dot_product" in line for line in calls)
+    written_out = torch.compile(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) * 8 ** -0.5, -1) @ v)
+    _, codes = run_and_get_code(lambda: written_out(q, k, v).sum().backward())
+    assert any("scaled_dot_product" in line for code in codes for line in code.splitlines()
+               if not line.strip().startswith("#"))  # what the forced kernel avoids
+
+
+def test_the_float32_block_after_a_route_is_the_one_float32_call():
+    """A routed DiT under bf16 autocast: the block after the route (fp32_after_route) calls the float32 kernel,
+    every other block the backend's."""
+    from dit import DiT
+
+    model = DiT(input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=6, num_heads=2, num_classes=10,
+                enable_routing=True, routes=[dict(selection_ratio=0.5, start_layer_idx=1, end_layer_idx=3)]).train()
+    calls = []
+    A.use_attention("flash", "train.attention", "cpu", "math")
+    for name in ("_selected", "_float32"):
+        run = getattr(A, name)
+        setattr(A, name, lambda q, k, v, run=run, name=name: calls.append((name, q.dtype, q.shape[2])) or run(q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(2, 4, 8, 8), torch.rand(2), torch.tensor([1, 2]))
+    assert calls == [("_selected", torch.bfloat16, 16), *[("_selected", torch.bfloat16, 8)] * 3,
+                     ("_float32", torch.float32, 16), ("_selected", torch.bfloat16, 16)]
 
 
 def test_a_forced_kernel_takes_half_precision_and_leaves_float32_to_torch():

@@ -104,17 +104,18 @@ def test_training_rows_time_ours_and_the_paper_code_and_profile_ours(tmp_path):
     assert not (out / "xl2.md").exists()  # the tables are in the log
 
 
-def test_the_b2_model_scope_and_bf16_rows_are_xl2_with_one_bench_option_each(tmp_path):
-    """b2, xl2model, xl2bf16 and xl2flash4 run what xl2 runs (its dry run above) but for one or two bench options,
-    which the bench's own tests run (tests/test_bench_gpu_readiness.py, tests/test_attention_backends.py): read here
-    from the commands the script gives a stand-in interpreter, parsed by the bench's parser; without flash-attn-4,
-    xl2flash4 is skipped in one line."""
+def test_the_other_xl2_and_b2_rows_are_xl2_with_one_bench_option_each(tmp_path):
+    """b2, xl2model, xl2bf16, xl2fp32math and xl2flash4 run what xl2 runs (its dry run above) but for one or two
+    bench options, which the bench's own tests run (tests/test_bench_gpu_readiness.py,
+    tests/test_attention_backends.py): read here from the commands the script gives a stand-in interpreter, parsed
+    by the bench's parser; without flash-attn-4, xl2flash4 is skipped in one line."""
     from lab.bench import build_parser
 
     log, fake = tmp_path / "calls", tmp_path / "fake-python"
     fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" --- >> {log}\n')
     fake.chmod(0o755)
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "xl2", "b2", "xl2model", "xl2bf16", "xl2flash4",
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "xl2", "b2", "xl2model", "xl2bf16", "xl2fp32math",
+                           "xl2flash4",
                            str(tmp_path / "o")],
                           cwd=REPO, env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -128,6 +129,8 @@ def test_the_b2_model_scope_and_bf16_rows_are_xl2_with_one_bench_option_each(tmp
     assert xl2["profile"] and model["profile"]  # kernel time by category in both scopes: where the whole graph gains
     assert bf16["fp32_after_route"] == "off" and differs(xl2, bf16) == {"fp32_after_route", "compile_scope"}
     assert differs(xl2, bench["xl2flash4.json"]) == {"attention"} and bench["xl2flash4.json"]["attention"] == "flash4"
+    fp32math = bench["xl2fp32math.json"]
+    assert differs(xl2, fp32math) == {"attention_fp32"} and fp32math["attention_fp32"] == "math"
     if importlib.util.find_spec("flash_attn") is None:  # as in CI: the row says why it did not run
         proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "xl2flash4", str(tmp_path / "p")],
                               cwd=REPO, env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True,

@@ -181,6 +181,11 @@ class TrainSchema:
     attention: str = key("the attention kernels of the model's blocks (tread_utils/attention.py; what each runs and on "
                          "which GPU: docs/performance.md), its package and GPU checked at start-up",
                          rule=registry("tread_utils.attention:BACKENDS"), eg="flash4")
+    attention_fp32: str = key("the kernel of float32 attention (the block after a route under mixed precision): "
+                              "sdpa (torch's own choice; on a GPU its memory-efficient kernel in float32, as the "
+                              "authors' code) or math (two batched matmuls and a softmax: TF32 on CUDA under "
+                              "train.tf32, the [B, H, N, N] scores held in memory)",
+                              rule=registry("tread_utils.attention:FLOAT32"), eg="math")
     cpu_threads: Any = key("CPU runs: torch threads per process, or auto (cores / local processes)", rule=Rule(
         lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
         "auto or an integer >= 1"), eg="auto")

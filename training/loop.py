@@ -180,7 +180,8 @@ def start(cfg: DictConfig) -> Accelerator:
                                   cpu=not torch.cuda.is_available())
     set_precision_policy(cfg.train.tf32)
     cudnn = avoid_faulting_attention(cfg.train.keep_cudnn_attention, "train.keep_cudnn_attention=true")
-    kernels = use_attention(cfg.train.attention, "train.attention", accelerator.device)  # train.py checked it
+    kernels = use_attention(cfg.train.attention, "train.attention", accelerator.device,  # train.py checked them
+                            cfg.train.attention_fp32)
     for line in (cudnn, kernels):
         if line and accelerator.is_main_process:
             print(line, flush=True)

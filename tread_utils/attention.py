@@ -7,9 +7,13 @@ looks nothing up (`sdpa`: one Python call more than torch's SDPA; a forced torch
 context, eager only: a compiled graph holds the kernel). A diffusers transformer has attention backends of its
 own: `use_diffusers_attention(transformer, name, setting)` sets the one an entry maps to.
 
-`flash`, `cudnn` and `flash4` run bfloat16 and float16 inputs: float32 attention (the block after a route under
-mixed precision, or a run without it) goes to torch's own choice whatever the backend, since none of those GPU
-kernels takes it. Which backend for which GPU, and what is measured: docs/performance.md, "Attention backends".
+`flash`, `cudnn` and `flash4` run bfloat16 and float16 inputs. Float32 attention (the block after a route under
+mixed precision, or a run without it) runs the float32 kernel selected apart (FLOAT32, `train.attention_fp32`):
+torch's own choice by default (on a GPU its memory-efficient kernel, in float32 arithmetic, as the authors' code
+runs it), or torch's math kernel, two batched matmuls and a softmax, which on CUDA run TF32 where TF32 matmuls
+are on (`train.tf32`, the authors' setting) and hold the [B, H, N, N] scores in memory. Under torch.compile the
+math kernel's forced choice is traced as its matmuls (inductor would fuse a written-out attention back into
+SDPA). Which backend for which GPU, and what is measured: docs/performance.md, "Attention backends".
 """
 import importlib.metadata
 import importlib.util
@@ -83,13 +87,21 @@ BACKENDS = {
 }
 DEFAULT = "sdpa"
 
+# train.attention_fp32 -> (what it runs, its function): the kernel of float32 attention, whatever the backend
+FLOAT32 = {
+    "sdpa": ("torch's own choice", F.scaled_dot_product_attention),
+    "math": ("torch's math kernel (TF32 batched matmuls on CUDA under train.tf32)", forced(SDPBackend.MATH)),
+}
+
 _selected = F.scaled_dot_product_attention  # the selected backend's function: what `attention` calls
 _selected_name = DEFAULT
+_float32 = F.scaled_dot_product_attention   # the selected float32 kernel
 
 
 def attention(q, k, v):
-    """Self-attention of [B, H, N, D] queries, keys and values by the backend `use_attention` selected."""
-    return _selected(q, k, v)
+    """Self-attention of [B, H, N, D] queries, keys and values by the backend `use_attention` selected (float32
+    inputs: by its float32 kernel)."""
+    return (_float32 if q.dtype == torch.float32 else _selected)(q, k, v)
 
 
 def selected_attention() -> str:
@@ -138,13 +150,16 @@ def describe(name: str, backend: Backend) -> str:
     return f"attention: {name}, {backend.what}{version}"
 
 
-def use_attention(name: str, setting: str, device=None) -> Optional[str]:
-    """Select the backend the models' `attention` runs in this process, after `check_attention`; returns the
-    line to print, or None for the default (torch's own choice, as without a selection)."""
-    global _selected, _selected_name
+def use_attention(name: str, setting: str, device=None, float32: str = DEFAULT) -> Optional[str]:
+    """Select the backend the models' `attention` runs in this process, after `check_attention`, and its float32
+    kernel (a name of FLOAT32, which the entry point's choices check); returns the line to print, or None for
+    the defaults (torch's own choice, as without a selection)."""
+    global _selected, _selected_name, _float32
     backend = check_attention(name, setting, device)
     _selected, _selected_name = backend.build(), name
-    return None if name == DEFAULT else describe(name, backend)
+    what, _float32 = FLOAT32[float32]
+    lines = [describe(name, backend)] * (name != DEFAULT) + [f"float32 attention: {float32}, {what}"] * (float32 != DEFAULT)
+    return "; ".join(lines) or None
 
 
 def use_diffusers_attention(transformer, name: str, setting: str, device=None) -> Optional[str]:
