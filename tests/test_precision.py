@@ -116,11 +116,21 @@ def test_faulting_cudnn_attention_is_turned_off_in_one_line_unless_kept(hopper_w
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_train_py_decides_the_attention_backend_from_its_config(tmp_path, monkeypatch, capsys, keep):
+    """... and the float32 kernel (train.attention_fp32, here with keep), said in one line."""
+    from tread_utils import attention
+
     seen = []
     monkeypatch.setattr(loop, "avoid_faulting_attention", lambda *args: seen.append(args) or "attention: off")
-    run = train_setup(tmp_path, True, f"train.keep_cudnn_attention={str(keep).lower()}")
-    run.logger.close()
-    assert seen == [(keep, "train.keep_cudnn_attention=true")] and "attention: off\n" in capsys.readouterr().out
+    try:
+        run = train_setup(tmp_path, True, f"train.keep_cudnn_attention={str(keep).lower()}",
+                          *["train.attention_fp32=math"] * keep)
+        run.logger.close()
+        assert (attention._float32 is attention.F.scaled_dot_product_attention) != keep
+    finally:
+        attention.use_attention(attention.DEFAULT, "train.attention")  # the selection is the process's
+    out = capsys.readouterr().out
+    assert seen == [(keep, "train.keep_cudnn_attention=true")] and "attention: off\n" in out
+    assert ("\nfloat32 attention: math, torch's math kernel" in out) == keep
 
 
 def test_finetune_lora_decides_the_attention_backend(hopper_with_torch_2_11, monkeypatch):
