@@ -158,7 +158,11 @@ def use_attention(name: str, setting: str, device=None, float32: str = DEFAULT) 
     backend = check_attention(name, setting, device)
     _selected, _selected_name = backend.build(), name
     what, _float32 = FLOAT32[float32]
-    lines = [describe(name, backend)] * (name != DEFAULT) + [f"float32 attention: {float32}, {what}"] * (float32 != DEFAULT)
+    lines = []
+    if name != DEFAULT:
+        lines.append(describe(name, backend))
+    if float32 != DEFAULT:
+        lines.append(f"float32 attention: {float32}, {what}")
     return "; ".join(lines) or None
 
 
