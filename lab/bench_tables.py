@@ -8,8 +8,11 @@ def simple_table(header, rows, cells):
 
 
 def _model(r):
-    """'dit', 'tread', or 'tread, bf16 after route' for the variant without the authors' float32 block."""
-    return r["model"] + (", bf16 after route" if r.get("fp32_after_route") is False else "")
+    """'dit', 'tread', or 'tread, bf16 after route' for the variant without the authors' float32 block; an
+    attention kernel other than torch's choice (--attention, --attention-fp32) is named after it."""
+    kernels = [f"{what} {r[key]}" for key, what in (("attention", "attention"), ("attention_fp32", "float32 attention"))
+               if r.get(key, "sdpa") != "sdpa"]
+    return ", ".join([r["model"] + (", bf16 after route" if r.get("fp32_after_route") is False else ""), *kernels])
 
 
 def _mode(r):

@@ -245,3 +245,17 @@ def test_bench_loader_section_writes_samples_per_second(tmp_path, monkeypatch):
     assert row["workers"] == 2 and row["batch"] == 4 and row["samples"] == 12 and row["dataset_size"] == 48
     assert row["samples_per_s"] > 0 and row["first_batch_s"] > 0
     assert "samples/s" in out.with_suffix(".md").read_text()
+
+
+def test_training_table_names_a_kernel_other_than_torchs_choice():
+    """The same variant timed with --attention-fp32 math or --attention flash4 reads apart from the default one."""
+    from lab.bench_tables import training_table
+
+    row = dict(backbone="DiT-XL/2", batch=256, micro_batch=128, code="ours", mode="compiled", compile_scope="blocks",
+               model="tread", fp32_after_route=True, step_s=0.317, warmup_s=17.6, images_per_s=806.7,
+               peak_mem_mb=35212.5, flops_per_step=1.06e14, mfu=0.486, speedup=1.545, flop_bound=1.716,
+               speedup_vs_bound=0.900, attention="sdpa", attention_fp32="sdpa")
+    rows = [row, dict(row, attention_fp32="math"), dict(row, attention="flash4", fp32_after_route=False)]
+    lines = training_table(rows, "NVIDIA H100", "bf16", 7.9e14).splitlines()[-3:]
+    assert [line.split(" | ")[4] for line in lines] == [
+        "tread", "tread, float32 attention math", "tread, bf16 after route, attention flash4"]
