@@ -33,6 +33,8 @@
 #               the speed-up against the FLOP bound without the authors' float32 block
 #   study256 240 dit against tread on the digits at 256 tokens (patch 1), seeds 0-2, 3,000 steps, the six runs side
 #               by side, archived in study256.tar.gz (lab.token_study: its docstring sizes it)
+#   cudnn   90  lab.cudnn_attention_fault: does cuDNN's fused attention fault in backward on this stack, and does the
+#               trainer's guard (tread_utils.precision) decide right; a fault is a result, not a failed row (cudnn.json)
 #   xl2fp32math 180 as xl2, ours alone, the float32 block's attention in torch's math kernel (train.attention_fp32=math:
 #               TF32 batched matmuls where the default runs the memory-efficient kernel in float32)
 #   xl2flash4 180 as xl2, ours alone, with FlashAttention-4 (train.attention=flash4, Hopper or newer): skipped in one
@@ -46,9 +48,9 @@
 # code put github.com/CompVis/tread's dit.py and routing_module.py in .paper-code/ (git-ignored, carried;
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
-ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256 xl2fp32math xl2flash4)
+ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256 cudnn xl2fp32math xl2flash4)
 declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=190 [fid]=130 [cuda]=130 [suite]=300 [train]=70 [xl2bf16]=200
-                     [study256]=240 [xl2fp32math]=180 [xl2flash4]=180)
+                     [study256]=240 [cudnn]=90 [xl2fp32math]=180 [xl2flash4]=180)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2
@@ -158,6 +160,10 @@ train() {
   cp "$RES/gpu_check/metrics.jsonl" "$OUT_DIR/train_metrics.jsonl" 2> /dev/null
 }
 
+cudnn() {  # its exit status: 0 no case faulted, 1 one did (both results), 2 it cannot run here (a dry run's CPU)
+  run_row cudnn bash -c '"$0" -m lab.cudnn_attention_fault --out "$1"; rc=$?; (( rc <= 1 || ($2 && rc == 2) ))' \
+    "$PY" "$OUT_DIR/cudnn.json" "$DRY"
+}
 xl2fp32math() {
   bench xl2fp32math --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
     --compile-scope blocks --attention-fp32 math --profile --sections training

@@ -150,9 +150,9 @@ def test_evaluation_rows_time_fid_stage_by_stage_and_the_suite(tmp_path):
 
 
 def test_cuda_tests_are_collected_and_training_logs_its_metrics(tmp_path):
-    proc, out = dry_run(tmp_path, "cuda", "train")
-    logs = check_rows(proc, out, ["cuda", "train"])
-    assert "test_cuda.py" in logs
+    proc, out = dry_run(tmp_path, "cuda", "train", "cudnn")
+    logs = check_rows(proc, out, ["cuda", "train", "cudnn"])
+    assert "test_cuda.py" in logs and "cannot run: no CUDA GPU" in logs  # cudnn: the fault check, on a CPU
     records = [json.loads(line) for line in (out / "train_metrics.jsonl").read_text().splitlines()]
     assert any("loss" in r for r in records) and any("fid" in r for r in records)
 
@@ -175,6 +175,21 @@ def test_the_256_token_study_trains_dit_and_tread_at_patch_1_and_archives_them(t
         assert config["results_dir"] == "results/study256"
         assert any("fid" in json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines())
         assert json.loads((folder / "status.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("exit_status, passed", [(0, True), (1, True), (2, False), (3, False)])
+def test_a_cudnn_fault_is_a_result_and_a_crash_a_failed_row(tmp_path, exit_status, passed):
+    """On a GPU lab.cudnn_attention_fault exits 1 when a case faulted (the record says which): the row passed; 2
+    (it cannot run) or anything else fails it. A stand-in interpreter gives the exit status."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!/usr/bin/env bash\n[ \"$1\" = -m ] && [ \"$2\" = lab.cudnn_attention_fault ] && exit {exit_status}\n"
+                    "exit 0\n")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "cudnn", "--budget", "200", str(tmp_path / "o")], cwd=REPO,
+                          env=dict(os.environ, PYTHON=str(fake), WHEELS=str(tmp_path)), capture_output=True, text=True,
+                          timeout=60)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert ("1 passed (cudnn)" if passed else "1 failed (cudnn)") in summary, proc.stdout
 
 
 def test_a_row_that_no_longer_fits_the_budget_is_skipped_and_the_next_runs(tmp_path):
