@@ -387,7 +387,4 @@ def finish(run: Run, end_training: bool, step: int):
     if run.accelerator.is_main_process:
         print(summary_line(run, step), flush=True)
     if end_training:
-        # every rank's collectives done before the group goes (a CPU test run under fsdp2 once saw rank 1 abort at
-        # exit after its last step, "terminate called without an active exception"; not reproduced since)
-        run.accelerator.wait_for_everyone()
         run.accelerator.end_training()
