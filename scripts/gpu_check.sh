@@ -140,16 +140,14 @@ training_row() {  # training_row ROW BACKBONE MICRO_BATCH [BENCH_ARGS...]: dit, 
 }
 
 xl2() { training_row xl2 $XL2 $MICRO --compile-scope blocks; }
-xl2model() {
-  bench xl2model --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
-    --compile-scope model --profile --sections training
+xl2_ours() {  # xl2_ours ROW BENCH_ARGS...: xl2's sizes and compilation, ours alone, with the row's own options
+  bench "$1" --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" "${@:2}" \
+    --sections training
 }
+xl2model() { xl2_ours xl2model --compile-scope model --profile; }
 flux() { run_row flux $PY -m lab.bench_diffusers "${FLUX[@]}" --out "$OUT_DIR/flux.json"; }
 b2() { training_row b2 $B2 $BATCH --compile-scope blocks; }
-xl2bf16() {
-  bench xl2bf16 --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
-    --fp32-after-route off --sections training
-}
+xl2bf16() { xl2_ours xl2bf16 --fp32-after-route off; }
 fid() { bench fid --backbones $B2 "${FID[@]}" --fid-compile "${COMPILE[@]}" --sections fid; }
 suite() { bench suite "${SUITE[@]}" --sections suite --tmp-dir "$RES"; }
 cuda() { run_row cuda $PY -m pytest -p no:cacheprovider -n 0 -m cuda "${PYTEST_CUDA[@]}"; }
@@ -164,17 +162,13 @@ cudnn() {  # its exit status: 0 no case faulted, 1 one did (both results), 2 it 
   run_row cudnn bash -c '"$0" -m lab.cudnn_attention_fault --out "$1"; rc=$?; (( rc <= 1 || ($2 && rc == 2) ))' \
     "$PY" "$OUT_DIR/cudnn.json" "$DRY"
 }
-xl2fp32math() {
-  bench xl2fp32math --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
-    --compile-scope blocks --attention-fp32 math --profile --sections training
-}
+xl2fp32math() { xl2_ours xl2fp32math --compile-scope blocks --attention-fp32 math --profile; }
 xl2flash4() {
   if ! $PY -c "import flash_attn.cute" > /dev/null 2>&1; then
     log "xl2flash4: skipped, the flash-attn-4 package is not installed (pip install -e \".[hopper]\")"
     SKIPPED+=(xl2flash4); return
   fi
-  bench xl2flash4 --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" \
-    --compile-scope blocks --attention flash4 --profile --sections training
+  xl2_ours xl2flash4 --compile-scope blocks --attention flash4 --profile
 }
 
 study256() {

@@ -134,13 +134,14 @@ def test_the_float32_block_after_a_route_is_the_one_float32_call():
                      ("_float32", torch.float32, 16), ("_selected", torch.bfloat16, 16)]
 
 
-def test_a_forced_kernel_takes_half_precision_and_leaves_float32_to_torch():
-    """cuDNN's kernel does not exist on the CPU: forced, bfloat16 finds no kernel; float32 goes to torch's choice."""
-    run = A.forced(SDPBackend.CUDNN_ATTENTION, A.HALF)
+def test_a_forced_kernel_takes_half_precision_and_leaves_float32_to_torch(monkeypatch):
+    """cuDNN's kernel does not exist on the CPU: forced, bfloat16 finds no kernel; float32 goes to torch's choice
+    (the default float32 kernel) before the backend sees it."""
+    monkeypatch.setattr(A, "_selected", A.forced(SDPBackend.CUDNN_ATTENTION))
     q = torch.randn(1, 2, 5, 8)
-    assert torch.equal(run(q, q, q), F.scaled_dot_product_attention(q, q, q))
+    assert torch.equal(A.attention(q, q, q), F.scaled_dot_product_attention(q, q, q))
     with pytest.raises(RuntimeError):
-        run(*(q.bfloat16(),) * 3)
+        A.attention(*(q.bfloat16(),) * 3)
 
 
 def test_flash_attention_4_gets_and_gives_its_layout(monkeypatch):
@@ -154,11 +155,11 @@ def test_flash_attention_4_gets_and_gives_its_layout(monkeypatch):
         return out.transpose(1, 2).contiguous(), None
 
     monkeypatch.setitem(sys.modules, "flash_attn.cute", types.SimpleNamespace(flash_attn_func=flash_attn_func))
-    run = A.flash_attention_4()
+    monkeypatch.setattr(A, "_selected", A.flash_attention_4())
     q, k, v = torch.randn(3, 2, 3, 10, 72).unbind(0)
     half = [t.bfloat16() for t in (q, k, v)]
-    assert torch.equal(run(*half), F.scaled_dot_product_attention(*half)) and calls == [(2, 10, 3, 72)]
-    assert torch.equal(run(q, k, v), F.scaled_dot_product_attention(q, k, v)) and len(calls) == 1
+    assert torch.equal(A.attention(*half), F.scaled_dot_product_attention(*half)) and calls == [(2, 10, 3, 72)]
+    assert torch.equal(A.attention(q, k, v), F.scaled_dot_product_attention(q, k, v)) and len(calls) == 1
 
 
 def refusal(name, **kw) -> str:

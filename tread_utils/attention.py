@@ -27,7 +27,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tread_utils.errors import UserError
 from tread_utils.precision import attention_stack, cudnn_attention_faults
 
-HALF = (torch.float16, torch.bfloat16)
 INSTALL_HOPPER = 'pip install -e ".[hopper]"'
 
 
@@ -47,14 +46,12 @@ class Backend:
     diffusers: Optional[str] = None  # the diffusers backend (AttentionBackendName's value) it maps to; None: none
 
 
-def forced(kernel, dtypes=None) -> Callable:
-    """torch's SDPA restricted to one of its kernels, for inputs of `dtypes` (None: all); other inputs go to torch's
-    own choice."""
+def forced(kernel) -> Callable:
+    """torch's SDPA restricted to one of its kernels (`attention` hands float32 inputs to the float32 kernel
+    before a backend sees them)."""
     def run(q, k, v):
-        if dtypes is None or q.dtype in dtypes:
-            with sdpa_kernel(kernel):
-                return F.scaled_dot_product_attention(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v)
+        with sdpa_kernel(kernel):
+            return F.scaled_dot_product_attention(q, k, v)
     return run
 
 
@@ -67,19 +64,16 @@ def flash_attention_4() -> Callable:
     def fa4(q, k, v):
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
-
-    def run(q, k, v):
-        return fa4(q, k, v) if q.dtype in HALF else F.scaled_dot_product_attention(q, k, v)
-    return run
+    return fa4
 
 
 BACKENDS = {
     "sdpa": Backend("torch's scaled_dot_product_attention, its own choice of kernel",
                     lambda: F.scaled_dot_product_attention, diffusers="native"),
-    "flash": Backend("torch's FlashAttention-2 kernel for bf16/fp16", lambda: forced(SDPBackend.FLASH_ATTENTION, HALF),
+    "flash": Backend("torch's FlashAttention-2 kernel for bf16/fp16", lambda: forced(SDPBackend.FLASH_ATTENTION),
                      capability=(8, 0), diffusers="_native_flash"),
     "cudnn": Backend("cuDNN's fused attention through torch's SDPA for bf16/fp16",
-                     lambda: forced(SDPBackend.CUDNN_ATTENTION, HALF), cpu=False, capability=(8, 0),
+                     lambda: forced(SDPBackend.CUDNN_ATTENTION), cpu=False, capability=(8, 0),
                      diffusers="_native_cudnn"),
     "flash4": Backend("FlashAttention-4 for bf16/fp16", flash_attention_4, cpu=False, capability=(9, 0),
                       package=Package("flash_attn.cute", "flash-attn-4"), diffusers="flash_4_hub"),
