@@ -26,8 +26,8 @@ runs. `--micro-batch` accumulates gradients (DiT-L/2 and DiT-XL/2 do by default 
 recomputes each block's forward (MFU counts model FLOPs; HFU adds the recomputation), `--fp32-after-route
 both` times TREAD with and without the authors' float32 block after the route, `--compile-scope` what
 our compiled variants compile (train.compile_scope: the whole model, each block alone, or both, each a variant
-of its own; `warmup_s` in the record, the first `--warmup` steps, holds the compilation), `--compile-mode` picks
-torch.compile's mode, `--profile` records where one more step of each of our variants spends its time
+of its own; `warmup_s` in the record, the first `--warmup` steps, holds the compilation), `--compile-dynamic`
+their shapes (train.compile_dynamic), `--compile-mode` picks torch.compile's mode, `--profile` records where one more step of each of our variants spends its time
 (kernel categories, top kernels, host syncs; lab/bench_timing.py).
 """
 import argparse
@@ -48,8 +48,8 @@ from lab.bench_loader import add_loader_args, bench_loader
 from lab.bench_tables import (loader_table, metrics_table, sampling_table, suite_table, training_fid_table,
                                 training_table)
 from lab.bench_timing import matmul_ceiling
-from lab.bench_training import (AUTO_MICRO_BATCH, COMPILE_SCOPES, FP32_AFTER_ROUTE, bench_training, compile_model,
-                                model_params)
+from lab.bench_training import (AUTO_MICRO_BATCH, COMPILE_DYNAMIC, COMPILE_SCOPES, FP32_AFTER_ROUTE, bench_training,
+                                compile_model, model_params)
 from lab.paper_code import load_paper_dit
 from tread_utils.attention import BACKENDS, DEFAULT as DEFAULT_ATTENTION, FLOAT32, use_attention
 from tread_utils.errors import UserError, report_user_errors
@@ -128,6 +128,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--compile-scope", choices=sorted(COMPILE_SCOPES), default="model",
                         help="training: what our compiled variants compile (train.compile_scope): the whole model "
                              "(default), each block alone, or both, timed as two variants (blocks first)")
+    parser.add_argument("--compile-dynamic", choices=sorted(COMPILE_DYNAMIC), default="null",
+                        help="training: train.compile_dynamic of our compiled variants (null: torch's default, "
+                             "static until a shape changes, then dynamic; true; false: static, a graph per shape); "
+                             "training rows record it as `compile_dynamic`")
     parser.add_argument("--compile-mode", default="default",
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="torch.compile mode of our backbone (training and --fid-compile; default: torch's)")

@@ -15,16 +15,20 @@ def _model(r):
     return ", ".join([r["model"] + (", bf16 after route" if r.get("fp32_after_route") is False else ""), *kernels])
 
 
-def _mode(r):
-    """'compiled (blocks)' for our variants compiled block by block (train.compile_scope), else the mode."""
+def variant_mode(r):
+    """'compiled (blocks)' for our variants compiled block by block (train.compile_scope), else the mode; shapes
+    other than torch's default (train.compile_dynamic) after the scope: 'compiled (blocks, static shapes)'."""
     scope = r.get("compile_scope")
-    return r["mode"] + (f" ({scope})" if r["code"] == "ours" and scope else "")
+    if r["code"] != "ours" or not scope:
+        return r["mode"]
+    shapes = {None: "", False: ", static shapes", True: ", dynamic shapes"}[r.get("compile_dynamic")]
+    return f"{r['mode']} ({scope}{shapes})"
 
 
 def _training_cells(r):
     batch = f"{r['batch']}" + (f" ({r['batch'] // r['micro_batch']} x {r['micro_batch']})"
                                if r.get("micro_batch", r["batch"]) != r["batch"] else "")
-    head = [r["backbone"], batch, r["code"], _mode(r), _model(r)]
+    head = [r["backbone"], batch, r["code"], variant_mode(r), _model(r)]
     if r.get("oom"):
         return head + ["out of memory", "", "", f"{r['peak_mem_mb']:.0f}", "", "", "", "", ""]
     extra = ([f"{r['speedup']:.3f}x", f"{r['flop_bound']:.3f}x", f"{r['speedup_vs_bound']:.3f}"] if "speedup" in r
@@ -59,7 +63,7 @@ def paper_comparison_table(rows):
         if "paper" not in by_code or "ours" not in by_code:
             continue
         ours, paper = (min(by_code[c], key=lambda r: r["step_s"]) for c in ("ours", "paper"))
-        lines.append(f"| {backbone} | {batch} | {model} | {ours['step_s'] * 1e3:.1f} ({_mode(ours)}) | "
+        lines.append(f"| {backbone} | {batch} | {model} | {ours['step_s'] * 1e3:.1f} ({variant_mode(ours)}) | "
                      f"{paper['step_s'] * 1e3:.1f} ({paper['mode']}) | {paper['step_s'] / ours['step_s']:.2f}x | "
                      f"{paper['max_abs_output_difference']:.1e} |")
     if not lines:

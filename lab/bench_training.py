@@ -8,6 +8,7 @@ import torch
 from dit import DiT_models, get_model
 from edm import EDMLoss, EDMPrecond
 from lab.bench_evaluation import IMAGENET_LATENT
+from lab.bench_tables import variant_mode
 from lab.bench_timing import time_or_out_of_memory
 from lab.paper_code import build_paper_model, eager_context, load_our_weights
 from training.compile import SCOPES, compile_backbone
@@ -70,7 +71,9 @@ def our_model(args, backbone, routed, device, mode, fp32_after_route=True, scope
     params = model_params(backbone, routed, fp32_after_route=fp32_after_route,
                           grad_checkpointing=args.grad_checkpointing)
     model = get_model(backbone, params).to(device).train()
-    return compile_model(model, args, scope) if mode == "compiled" else model
+    if mode != "compiled":
+        return model
+    return compile_model(model, args, scope, dynamic=COMPILE_DYNAMIC[args.compile_dynamic])
 
 
 def paper_twin(paper_dit, backbone, ours, routed):
@@ -98,6 +101,8 @@ def paper_output_difference(paper_dit, backbone):
 FP32_AFTER_ROUTE = {"on": [True], "off": [False], "both": [True, False]}
 # `both`: blocks first, so its warm-up compiles from cold, not from kernels the whole model's compilation cached
 COMPILE_SCOPES = {**{s: [s] for s in SCOPES}, "both": ["blocks", "model"]}
+# --compile-dynamic -> torch.compile's `dynamic`, as train.compile_dynamic's null, true and false
+COMPILE_DYNAMIC = {"null": None, "true": True, "false": False}
 
 
 def training_variants(args):
@@ -163,10 +168,11 @@ def bench_training(args, device, dtype, ceiling, paper_dit=None, save=lambda row
                 row = dict(backbone=backbone, batch=batch, micro_batch=micro_batch, code=code, mode=mode,
                            compile_scope=scope, model=model_name, fp32_after_route=fp32,
                            attention=args.attention if code == "ours" else DEFAULT_ATTENTION,
-                           attention_fp32=args.attention_fp32 if code == "ours" else DEFAULT_ATTENTION, **measured)
-                name = (f"{backbone} batch {batch} (micro-batch {micro_batch}) {code} {mode}"
-                        f"{f' ({scope})' if code == 'ours' and scope else ''} {model_name}"
-                        f"{'' if fp32 is not False else ' bf16-after-route'}")
+                           attention_fp32=args.attention_fp32 if code == "ours" else DEFAULT_ATTENTION,
+                           compile_dynamic=COMPILE_DYNAMIC[args.compile_dynamic] if code == "ours" else None,
+                           **measured)
+                name = (f"{backbone} batch {batch} (micro-batch {micro_batch}) {code} {variant_mode(row)} "
+                        f"{model_name}{'' if fp32 is not False else ' bf16-after-route'}")
                 if code == "paper":
                     row["max_abs_output_difference"] = paper_diff
                 rows.append(row)

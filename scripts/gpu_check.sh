@@ -37,6 +37,9 @@
 #               trainer's guard (tread_utils.precision) decide right; a fault is a result, not a failed row (cudnn.json)
 #   xl2fp32math 180 as xl2, ours alone, the float32 block's attention in torch's math kernel (train.attention_fp32=math:
 #               TF32 batched matmuls where the default runs the memory-efficient kernel in float32)
+#   xl2static 180 as xl2, ours alone, each block's graphs static (train.compile_dynamic=false): by torch's default
+#               the routed blocks' and the float32 block's graphs are traced with a symbolic sequence length (the
+#               second shape a block sees), where `dit` and the whole-model graph stay static
 #   xl2flash4 180 as xl2, ours alone, with FlashAttention-4 (train.attention=flash4, Hopper or newer): skipped in one
 #               line where the flash-attn-4 package is not installed (`pip install -e ".[hopper]"`; its CuTe DSL
 #               wheel is 92 MB, more than a device command carries)
@@ -48,9 +51,10 @@
 # code put github.com/CompVis/tread's dit.py and routing_module.py in .paper-code/ (git-ignored, carried;
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
-ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256 cudnn xl2fp32math xl2flash4)
+ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256 cudnn xl2fp32math xl2static xl2flash4)
 declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=190 [fid]=130 [cuda]=130 [suite]=300 [train]=70 [xl2bf16]=200
-                     [study256]=240 [cudnn]=90 [xl2fp32math]=180 [xl2flash4]=180)
+                     [study256]=240 [cudnn]=90 [xl2fp32math]=180 [xl2static]=180
+                     [xl2flash4]=180)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2
@@ -163,6 +167,7 @@ cudnn() {  # its exit status: 0 no case faulted, 1 one did (both results), 2 it 
     "$PY" "$OUT_DIR/cudnn.json" "$DRY"
 }
 xl2fp32math() { xl2_ours xl2fp32math --compile-scope blocks --attention-fp32 math --profile; }
+xl2static() { xl2_ours xl2static --compile-scope blocks --compile-dynamic false --profile; }
 xl2flash4() {
   if ! $PY -c "import flash_attn.cute" > /dev/null 2>&1; then
     log "xl2flash4: skipped, the flash-attn-4 package is not installed (pip install -e \".[hopper]\")"

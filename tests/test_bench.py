@@ -110,6 +110,20 @@ def test_bench_times_ours_and_the_paper_code_in_one_run(paper_repo, tmp_path):
     assert "| DiT-T/8 | 2 | tread |" in table and "paper / ours" in table
 
 
+def test_bench_compiles_each_block_static_with_compile_dynamic_false(tmp_path):
+    """--compile-dynamic false (train.compile_dynamic=false) per block: `tread` compiles one static graph per
+    shape and layout, four for its blocks (the first blocks, the routed ones, the float32 block, the blocks after
+    the route) and the final layer's, where torch's default compiles three block graphs, two of them dynamic
+    (tests/test_compile_scope.py); `dit` one and the final layer's; the row and the table say so."""
+    out = tmp_path / "bench.json"
+    run_script("lab.bench", "--backbones", "DiT-T/8", "--batch-sizes", "2", "--steps", "1", "--warmup", "1",
+               "--sections", "training", "--compile", "--compile-backend", "eager", "--compile-scope", "blocks",
+               "--compile-dynamic", "false", "--dtype", "bf16", "--out", out, check=True)
+    rows = json.loads(out.read_text())["training"]
+    assert [(r["model"], r["compile_dynamic"], r["graphs"]) for r in rows] == [("dit", False, 2), ("tread", False, 5)]
+    assert "| compiled (blocks, static shapes) |" in out.with_suffix(".md").read_text()
+
+
 def test_a_paper_code_computing_another_function_is_detected(tmp_path):
     """The output comparison really compares two models: a stand-in with a swapped position embedding shows
     a clear difference (the faithful one shows none: test_bench_times_ours_and_the_paper_code_in_one_run)."""
@@ -248,7 +262,8 @@ def test_bench_loader_section_writes_samples_per_second(tmp_path, monkeypatch):
 
 
 def test_training_table_names_a_kernel_other_than_torchs_choice():
-    """The same variant timed with --attention-fp32 math or --attention flash4 reads apart from the default one."""
+    """The same variant timed with --attention-fp32 math, --attention flash4 or --compile-dynamic false reads apart
+    from the default one."""
     from lab.bench_tables import training_table
 
     row = dict(backbone="DiT-XL/2", batch=256, micro_batch=128, code="ours", mode="compiled", compile_scope="blocks",
@@ -259,3 +274,5 @@ def test_training_table_names_a_kernel_other_than_torchs_choice():
     lines = training_table(rows, "NVIDIA H100", "bf16", 7.9e14).splitlines()[-3:]
     assert [line.split(" | ")[4] for line in lines] == [
         "tread", "tread, float32 attention math", "tread, bf16 after route, attention flash4"]
+    static = training_table([dict(row, compile_dynamic=False)], "NVIDIA H100", "bf16", 7.9e14).splitlines()[-1]
+    assert static.split(" | ")[3] == "compiled (blocks, static shapes)"  # --compile-dynamic false

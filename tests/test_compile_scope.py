@@ -68,6 +68,41 @@ def test_blocks_share_three_graphs_and_train_like_the_eager_model(block_type):
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
 
 
+def symbolic_graphs(dynamic) -> list:
+    """For each graph dynamo compiles in three training steps of the attention model compiled per block with
+    torch.compile's `dynamic`, in order: whether it was traced with a symbolic size."""
+    def symbolic(value):
+        return isinstance(value, torch.SymInt) or \
+            isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
+
+    traced = []
+
+    def backend(graph, example_inputs):
+        traced.append(any(map(symbolic, example_inputs)))
+        return graph.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny("attention")
+    compile_backbone(model, "blocks", backend=backend, dynamic=dynamic)
+    _, frames = train_steps(model)
+    assert frames[0] == frames[-1] == len(traced)  # all in the first step
+    return traced
+
+
+def test_blocks_graphs_are_dynamic_after_the_first_shape_unless_compiled_static():
+    """train.compile_dynamic=null (torch's default): a block's first graph is static (the blocks before the route:
+    the full sequence in the patch embedder's transposed layout), the next shape (the routed one) traces the
+    sequence length and strides as symbols, and that graph serves every later block, the float32 block after the
+    route excepted, whose graph is dynamic too: all but the first blocks run dynamic graphs, where `dit` (one
+    layout, one shape) and the whole model stay static. train.compile_dynamic=false: every graph static, one per
+    shape and layout."""
+    # first blocks, routed (32 tokens), float32 block, final layer
+    assert symbolic_graphs(None) == [False, True, True, False]
+    # first blocks, routed (32), float32 block, SPRINT's routed (48), blocks after a route (contiguous), final layer
+    assert symbolic_graphs(False) == [False] * 6
+
+
 def train_run(tmp_path, name, *overrides) -> list:
     """The log records of a 3-step bf16 run of an 8-block routed model (route 1 -> 5) through the training loop."""
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):

@@ -105,17 +105,17 @@ def test_training_rows_time_ours_and_the_paper_code_and_profile_ours(tmp_path):
 
 
 def test_the_other_xl2_and_b2_rows_are_xl2_with_one_bench_option_each(tmp_path):
-    """b2, xl2model, xl2bf16, xl2fp32math and xl2flash4 run what xl2 runs (its dry run above) but for one or two
-    bench options, which the bench's own tests run (tests/test_bench_gpu_readiness.py,
-    tests/test_attention_backends.py): read here from the commands the script gives a stand-in interpreter, parsed
-    by the bench's parser; without flash-attn-4, xl2flash4 is skipped in one line."""
+    """b2, xl2model, xl2bf16, xl2fp32math, xl2static and xl2flash4 run what xl2 runs (its dry run above) but for
+    one or two bench options, which the bench's own tests run (tests/test_bench_gpu_readiness.py,
+    tests/test_attention_backends.py, tests/test_compile_scope.py): read here from the commands the script gives a
+    stand-in interpreter, parsed by the bench's parser; without flash-attn-4, xl2flash4 is skipped in one line."""
     from lab.bench import build_parser
 
     log, fake = tmp_path / "calls", tmp_path / "fake-python"
     fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" --- >> {log}\n')
     fake.chmod(0o755)
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "xl2", "b2", "xl2model", "xl2bf16", "xl2fp32math",
-                           "xl2flash4",
+                           "xl2static", "xl2flash4",
                            str(tmp_path / "o")],
                           cwd=REPO, env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -131,6 +131,8 @@ def test_the_other_xl2_and_b2_rows_are_xl2_with_one_bench_option_each(tmp_path):
     assert differs(xl2, bench["xl2flash4.json"]) == {"attention"} and bench["xl2flash4.json"]["attention"] == "flash4"
     fp32math = bench["xl2fp32math.json"]
     assert differs(xl2, fp32math) == {"attention_fp32"} and fp32math["attention_fp32"] == "math"
+    static = bench["xl2static.json"]
+    assert differs(xl2, static) == {"compile_dynamic"} and static["compile_dynamic"] == "false"
     if importlib.util.find_spec("flash_attn") is None:  # as in CI: the row says why it did not run
         proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "xl2flash4", str(tmp_path / "p")],
                               cwd=REPO, env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True,

@@ -12,9 +12,14 @@ Scopes:
   block after the route under mixed precision) and one for the final layer, whatever its depth, where `model`
   traces every block into one large graph.
 
-Both take `train.compile_dynamic` as torch.compile's `dynamic`. A block's graphs count against dynamo's
-recompile limit (8 per function, shared by all blocks of a type): a route whose kept count changes with a ratio
-schedule adds one per count while shapes are static.
+Both take `train.compile_dynamic` as torch.compile's `dynamic`. Per block, torch's default (null) makes a routed
+model's graphs dynamic: the first blocks' graph is static (the full sequence, in the patch embedder's transposed
+layout), the routed sequence is a second shape, so dynamo traces it with a symbolic length and strides, and that
+graph then serves the blocks after the route as well; the float32 block's graph is dynamic too. `dit` sees one
+shape and layout and stays static, as does the whole-model graph. `false` keeps every graph static, one per shape
+and layout (four block graphs for one route). A block's graphs count against dynamo's recompile limit (8 per
+function, shared by all blocks of a type): a route whose kept count changes with a ratio schedule adds one per
+count while shapes are static.
 """
 import dataclasses
 from typing import Optional
