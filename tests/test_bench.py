@@ -110,15 +110,19 @@ def test_bench_times_ours_and_the_paper_code_in_one_run(paper_repo, tmp_path):
     assert "| DiT-T/8 | 2 | tread |" in table and "paper / ours" in table
 
 
-def test_bench_compiles_each_block_static_with_compile_dynamic_false(tmp_path):
+def test_bench_compiles_each_block_static_with_compile_dynamic_false(tmp_path, monkeypatch):
     """--compile-dynamic false (train.compile_dynamic=false) per block: `tread` compiles one static graph per
     shape and layout, four for its blocks (the first blocks, the routed ones, the float32 block, the blocks after
     the route) and the final layer's, where torch's default compiles three block graphs, two of them dynamic
     (tests/test_compile_scope.py); `dit` one and the final layer's; the row and the table say so."""
+    from lab import bench
+
     out = tmp_path / "bench.json"
-    run_script("lab.bench", "--backbones", "DiT-T/8", "--batch-sizes", "2", "--steps", "1", "--warmup", "1",
-               "--sections", "training", "--compile", "--compile-backend", "eager", "--compile-scope", "blocks",
-               "--compile-dynamic", "false", "--dtype", "bf16", "--out", out, check=True)
+    monkeypatch.setattr(sys, "argv", ["bench", "--backbones", "DiT-T/8", "--batch-sizes", "2", "--steps", "1",
+                                      "--warmup", "1", "--sections", "training", "--compile", "--compile-backend",
+                                      "eager", "--compile-scope", "blocks", "--compile-dynamic", "false", "--dtype",
+                                      "bf16", "--out", str(out)])
+    bench.main()
     rows = json.loads(out.read_text())["training"]
     assert [(r["model"], r["compile_dynamic"], r["graphs"]) for r in rows] == [("dit", False, 2), ("tread", False, 5)]
     assert "| compiled (blocks, static shapes) |" in out.with_suffix(".md").read_text()
