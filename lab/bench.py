@@ -27,8 +27,9 @@ recomputes each block's forward (MFU counts model FLOPs; HFU adds the recomputat
 both` times TREAD with and without the authors' float32 block after the route, `--compile-scope` what
 our compiled variants compile (train.compile_scope: the whole model, each block alone, or both, each a variant
 of its own; `warmup_s` in the record, the first `--warmup` steps, holds the compilation), `--compile-dynamic`
-their shapes (train.compile_dynamic), `--compile-mode` picks torch.compile's mode, `--profile` records where one more step of each of our variants spends its time
-(kernel categories, top kernels, host syncs; lab/bench_timing.py).
+their shapes (train.compile_dynamic), `--compile-mode` picks torch.compile's mode, `--profile` records where one
+more step of each of our variants spends its time (kernel categories, top kernels, host syncs;
+lab/bench_timing.py).
 """
 import argparse
 import functools

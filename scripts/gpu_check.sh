@@ -20,6 +20,10 @@
 #   xl2    240  DiT-XL/2, batch 256 as 2 x 128, bf16, each block compiled (train.compile_scope=blocks, as the paper
 #               code compiles): `dit` (MFU) and `tread` 2 -> 24 at 0.5 (speed-up against the FLOP bound), then the
 #               paper code's two (ours / theirs, peak memory); one profiled step of each of ours; warm-up times
+#   xl2static 180 as xl2, ours alone, every block graph static (train.compile_dynamic=false): by torch's default a
+#               block's second shape, the routed sequence, is traced with a symbolic length and strides, and that
+#               graph runs the routed blocks, the float32 block and those after the route, where `dit`'s and the
+#               whole model's graphs stay static; one profiled step of each
 #   xl2model 260 as xl2, ours alone, compiled as a whole model (train.compile_scope=model): the step time and
 #               warm-up that block compilation is compared with, and one profiled step of each, whose kernel time by
 #               category against xl2's says where the whole-model graph's `tread` step gains
@@ -37,9 +41,6 @@
 #               trainer's guard (tread_utils.precision) decide right; a fault is a result, not a failed row (cudnn.json)
 #   xl2fp32math 180 as xl2, ours alone, the float32 block's attention in torch's math kernel (train.attention_fp32=math:
 #               TF32 batched matmuls where the default runs the memory-efficient kernel in float32)
-#   xl2static 180 as xl2, ours alone, each block's graphs static (train.compile_dynamic=false): by torch's default
-#               the routed blocks' and the float32 block's graphs are traced with a symbolic sequence length (the
-#               second shape a block sees), where `dit` and the whole-model graph stay static
 #   xl2flash4 180 as xl2, ours alone, with FlashAttention-4 (train.attention=flash4, Hopper or newer): skipped in one
 #               line where the flash-attn-4 package is not installed (`pip install -e ".[hopper]"`; its CuTe DSL
 #               wheel is 92 MB, more than a device command carries)
@@ -51,7 +52,7 @@
 # code put github.com/CompVis/tread's dit.py and routing_module.py in .paper-code/ (git-ignored, carried;
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
-ROWS_ALL=(flux xl2 xl2model b2 fid cuda suite train xl2bf16 study256 cudnn xl2fp32math xl2static xl2flash4)
+ROWS_ALL=(flux xl2 xl2static xl2model b2 fid cuda suite train xl2bf16 study256 cudnn xl2fp32math xl2flash4)
 declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=190 [fid]=130 [cuda]=130 [suite]=300 [train]=70 [xl2bf16]=200
                      [study256]=240 [cudnn]=90 [xl2fp32math]=180 [xl2static]=180
                      [xl2flash4]=180)
