@@ -135,6 +135,19 @@ def test_train_compile_scope_blocks_logs_three_graphs_and_the_uncompiled_losses(
     torch.testing.assert_close([r["loss"] for r in blocks], [r["loss"] for r in eager], rtol=1e-5, atol=0)
 
 
+def test_train_compile_dynamic_false_keeps_each_block_graph_static(tmp_path):
+    """train.compile_scope=blocks train.compile_dynamic=false through the training loop: one static graph per block
+    shape and layout, four (the first block, the routed ones, the float32 block, the blocks after the route) and
+    the final layer's, all in the first step."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(debug_backend_override=">=0:eager"):
+        static = train_run(tmp_path, "static", "train.compile=true", "train.compile_scope=blocks",
+                           "train.compile_dynamic=false")
+    assert [(r["compiled_graphs"], r["recompiles_after_first_step"]) for r in static] == [(5, 0)] * 3
+    assert not counters["graph_break"]
+
+
 def test_train_compile_scope_is_model_or_blocks():
     from test_config_schema import compose_train
 
