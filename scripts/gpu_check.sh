@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh all --budget SECONDS [OUT_DIR]      every row, in the order below
 #   bash scripts/gpu_check.sh ROW... --budget SECONDS [OUT_DIR]   the rows named (a second command: what failed)
 #   bash scripts/gpu_check.sh --dry-run all|ROW... [--budget SECONDS] [OUT_DIR]   the same on the CPU at toy size
-#       (CI runs it; the paper code only where PAPER_CODE names it)
+#       (CI runs it; the paper code only where PAPER_CODE names it, the authors' own at DiT-S/8, their smallest)
 # Rows, with the targets they measure and the seconds they are estimated to take on one H100/H200, compilation
 # included (the H200 run in docs/perf/h200_check, rounded up; flux's and xl2's from the H100 run in
 # docs/perf/h100_flux_check: 149, 197 and 252 s; flux then had one compiled row; its two now, batch 1 and 2,
@@ -113,6 +113,8 @@ else
 fi
 PAPER=()
 [ -n "$PAPER_CODE" ] && [ -f "$PAPER_CODE/dit.py" ] && PAPER=(--paper-code "$PAPER_CODE" --paper-modes published)
+# a dry run beside the authors' own code: their smallest model (their registry has no DiT-T; a stand-in may)
+[ $DRY = 1 ] && [ ${#PAPER[@]} -gt 0 ] && ! grep -q "DiT-T/8" "$PAPER_CODE/dit.py" && B2=DiT-S/8 XL2=DiT-S/8
 
 log() { echo "$*" | tee -a "$OUT_DIR/summary.txt"; }
 
