@@ -1,4 +1,5 @@
 """Markdown tables of lab/bench.py's sections, written beside its JSON record."""
+from tread_utils.attention import DEFAULT as DEFAULT_ATTENTION
 
 
 def simple_table(header, rows, cells):
@@ -11,7 +12,7 @@ def _model(r):
     """'dit', 'tread', or 'tread, bf16 after route' for the variant without the authors' float32 block; an
     attention kernel other than torch's choice (--attention, --attention-fp32) is named after it."""
     kernels = [f"{what} {r[key]}" for key, what in (("attention", "attention"), ("attention_fp32", "float32 attention"))
-               if r.get(key, "sdpa") != "sdpa"]
+               if r.get(key, DEFAULT_ATTENTION) != DEFAULT_ATTENTION]
     return ", ".join([r["model"] + (", bf16 after route" if r.get("fp32_after_route") is False else ""), *kernels])
 
 

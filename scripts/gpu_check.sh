@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh all --budget SECONDS [OUT_DIR]      every row, in the order below
 #   bash scripts/gpu_check.sh ROW... --budget SECONDS [OUT_DIR]   the rows named (a second command: what failed)
 #   bash scripts/gpu_check.sh --dry-run all|ROW... [--budget SECONDS] [OUT_DIR]   the same on the CPU at toy size
-#       (CI runs it; the paper code only where PAPER_CODE names it, the authors' own at DiT-S/8, their smallest)
+#       (CI runs it; the paper code only where PAPER_CODE names it, at DiT-S/8 then, the authors' smallest)
 # Rows, with the targets they measure and the seconds they are estimated to take on one H100/H200, compilation
 # included (the H200 run in docs/perf/h200_check, rounded up; flux's and xl2's from the H100 run in
 # docs/perf/h100_flux_check: 149, 197 and 252 s; flux then had one compiled row; its two now, batch 1 and 2,
@@ -33,8 +33,9 @@
 #   cuda   130  pytest -n 0 -m cuda
 #   suite  300  the ADM suite on 50,000 samples against 10,000 references: time and peak host memory
 #   train   70  compiled routed training on the digits, 200 steps, an evaluation at step 100: recompiles, graphs
-#   xl2bf16 200  as xl2, ours alone, with the block after the route in bf16 (model.params.fp32_after_route=false):
-#               the speed-up against the FLOP bound without the authors' float32 block
+#   xl2bf16 200  as xl2model (the whole model compiled, as the H200 xl2 row it pairs with), with the block after
+#               the route in bf16 (model.params.fp32_after_route=false): the speed-up against the FLOP bound
+#               without the authors' float32 block
 #   study256 240 dit against tread on the digits at 256 tokens (patch 1), seeds 0-2, 3,000 steps, the six runs side
 #               by side, archived in study256.tar.gz (lab.token_study: its docstring sizes it)
 #   cudnn   90  lab.cudnn_attention_fault: does cuDNN's fused attention fault in backward on this stack, and does the
@@ -53,9 +54,8 @@
 # PAPER_CODE names another folder); without them xl2 and b2 time ours alone and say so.
 set -u
 ROWS_ALL=(flux xl2 xl2static xl2model b2 fid cuda suite train xl2bf16 study256 cudnn xl2fp32math xl2flash4)
-declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2model]=260 [b2]=190 [fid]=130 [cuda]=130 [suite]=300 [train]=70 [xl2bf16]=200
-                     [study256]=240 [cudnn]=90 [xl2fp32math]=180 [xl2static]=180
-                     [xl2flash4]=180)
+declare -A ESTIMATE=([flux]=240 [xl2]=240 [xl2static]=180 [xl2model]=260 [b2]=190 [fid]=130 [cuda]=130 [suite]=300
+                     [train]=70 [xl2bf16]=200 [study256]=240 [cudnn]=90 [xl2fp32math]=180 [xl2flash4]=180)
 usage() {
   echo "usage: bash scripts/gpu_check.sh [--dry-run] all|$(IFS='|'; echo "${ROWS_ALL[*]}") ... [--budget SECONDS]" \
     "[OUT_DIR]" >&2
@@ -113,8 +113,7 @@ else
 fi
 PAPER=()
 [ -n "$PAPER_CODE" ] && [ -f "$PAPER_CODE/dit.py" ] && PAPER=(--paper-code "$PAPER_CODE" --paper-modes published)
-# a dry run beside the authors' own code: their smallest model (their registry has no DiT-T; a stand-in may)
-[ $DRY = 1 ] && [ ${#PAPER[@]} -gt 0 ] && ! grep -q "DiT-T/8" "$PAPER_CODE/dit.py" && B2=DiT-S/8 XL2=DiT-S/8
+[ $DRY = 1 ] && [ ${#PAPER[@]} -gt 0 ] && B2=DiT-S/8 XL2=DiT-S/8  # the authors' registry has no DiT-T
 
 log() { echo "$*" | tee -a "$OUT_DIR/summary.txt"; }
 
@@ -147,14 +146,15 @@ training_row() {  # training_row ROW BACKBONE MICRO_BATCH [BENCH_ARGS...]: dit, 
 }
 
 xl2() { training_row xl2 $XL2 $MICRO --compile-scope blocks; }
-xl2_ours() {  # xl2_ours ROW BENCH_ARGS...: xl2's sizes and compilation, ours alone, with the row's own options
+xl2_ours() {  # xl2_ours ROW BENCH_ARGS...: xl2's sizes, compiled, ours alone, with the row's own options (scope too)
   bench "$1" --backbones $XL2 --batch-sizes $BATCH --micro-batch $MICRO "${STEPS[@]}" "${COMPILE[@]}" "${@:2}" \
     --sections training
 }
+xl2_blocks() { xl2_ours "$1" --compile-scope blocks --profile "${@:2}"; }  # compiled and profiled as xl2
 xl2model() { xl2_ours xl2model --compile-scope model --profile; }
 flux() { run_row flux $PY -m lab.bench_diffusers "${FLUX[@]}" --out "$OUT_DIR/flux.json"; }
 b2() { training_row b2 $B2 $BATCH --compile-scope blocks; }
-xl2bf16() { xl2_ours xl2bf16 --fp32-after-route off; }
+xl2bf16() { xl2_ours xl2bf16 --compile-scope model --fp32-after-route off; }
 fid() { bench fid --backbones $B2 "${FID[@]}" --fid-compile "${COMPILE[@]}" --sections fid; }
 suite() { bench suite "${SUITE[@]}" --sections suite --tmp-dir "$RES"; }
 cuda() { run_row cuda $PY -m pytest -p no:cacheprovider -n 0 -m cuda "${PYTEST_CUDA[@]}"; }
@@ -169,14 +169,14 @@ cudnn() {  # its exit status: 0 no case faulted, 1 one did (both results), 2 it 
   run_row cudnn bash -c '"$0" -m lab.cudnn_attention_fault --out "$1"; rc=$?; (( rc <= 1 || ($2 && rc == 2) ))' \
     "$PY" "$OUT_DIR/cudnn.json" "$DRY"
 }
-xl2fp32math() { xl2_ours xl2fp32math --compile-scope blocks --attention-fp32 math --profile; }
-xl2static() { xl2_ours xl2static --compile-scope blocks --compile-dynamic false --profile; }
+xl2fp32math() { xl2_blocks xl2fp32math --attention-fp32 math; }
+xl2static() { xl2_blocks xl2static --compile-dynamic false; }
 xl2flash4() {
   if ! $PY -c "import flash_attn.cute" > /dev/null 2>&1; then
     log "xl2flash4: skipped, the flash-attn-4 package is not installed (pip install -e \".[hopper]\")"
     SKIPPED+=(xl2flash4); return
   fi
-  xl2_ours xl2flash4 --compile-scope blocks --attention flash4 --profile
+  xl2_blocks xl2flash4 --attention flash4
 }
 
 study256() {
